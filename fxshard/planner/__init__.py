@@ -1,0 +1,139 @@
+"""Min-cost redistribution planning: ``plan_redistribute(mesh, src, dst, shape)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from ..cost import CostModel
+from ..mesh import MeshSpec
+from ..spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
+from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem, solve
+
+__all__ = ["Step", "RedistributePlan", "plan_redistribute", "clear_plan_cache"]
+
+_COLLECTIVE = {AG: "all_gather", A2A: "all_to_all", AR: "all_reduce", RS: "reduce_scatter",
+               SHARD: None, MAKE_PARTIAL: None}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One redistribution step on ``mesh_dims`` (one dim unless fused)."""
+
+    mesh_dims: tuple[int, ...]
+    src: object  # placement before, on those mesh dims
+    dst: object  # placement after
+    collective: str | None  # None for local moves (slicing, making partial)
+    cost: float  # modelled µs
+    move: Move = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.mesh_dims))
+        what = self.collective or "local"
+        return f"[{dims}] {placement_str(self.src)} -> {placement_str(self.dst)} ({what}, {self.cost:.2f} us)"
+
+
+@dataclass(frozen=True)
+class RedistributePlan:
+    src: ShardingSpec
+    dst: ShardingSpec
+    steps: tuple[Step, ...]
+    levels: tuple[Levels, ...]  # shard stacks at each step boundary (len(steps) + 1)
+    partials: tuple[dict, ...]  # {mesh_dim: reduce op} at each step boundary
+    cost: float
+
+    @property
+    def states(self) -> list[tuple[tuple, tuple]]:
+        """``(placements, shard_order)`` from src to dst, one entry per step boundary."""
+        out = []
+        for lv, part in zip(self.levels, self.partials):
+            pl = levels_to_placements(lv, part, self.src.mesh.ndim)
+            order = tuple((d, tuple(m for m, _ in st)) for d, st in enumerate(lv) if st)
+            out.append((pl, order))
+        return out
+
+    @property
+    def collectives(self) -> list[Step]:
+        return [s for s in self.steps if s.collective]
+
+    def __str__(self) -> str:
+        path = " -> ".join(placements_str(levels_to_placements(lv, part, self.src.mesh.ndim), lv)
+                           for lv, part in zip(self.levels, self.partials))
+        return f"{path}  ({self.cost:.2f} us)"
+
+
+def clear_plan_cache() -> None:
+    _plan_cached.cache_clear()
+
+
+def plan_redistribute(
+    mesh,
+    src: Sequence,
+    dst: Sequence,
+    shape: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    src_order=None,
+    dst_order=None,
+    cost_model: CostModel | None = None,
+    cache: bool = True,
+) -> RedistributePlan:
+    """The cheapest sequence of collectives taking a tensor from ``src`` to ``dst`` placements.
+
+    ``mesh`` is a ``MeshSpec`` or ``DeviceMesh``; ``src_order`` / ``dst_order`` give non-default
+    shard orders as ``{tensor_dim: (mesh_dim, ...)}`` or ``ShardOrderEntry`` tuples.
+    """
+    mesh = MeshSpec.from_device_mesh(mesh)
+    shape = tuple(int(s) for s in shape)
+    s = ShardingSpec.make(mesh, src, shape, dtype, src_order, what="plan_redistribute src")
+    d = ShardingSpec.make(mesh, dst, shape, dtype, dst_order, what="plan_redistribute dst")
+    cm = cost_model or CostModel(mesh)
+    if cm.mesh.shape != mesh.shape:
+        raise ValueError(f"cost model is for mesh {cm.mesh.shape}, plan is on mesh {mesh.shape}")
+    return (_plan_cached if cache else _plan)(s, d, cm)
+
+
+def plan_between(src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | None = None,
+                 cache: bool = True) -> RedistributePlan:
+    """Plan between two ``ShardingSpec``s of the same value."""
+    if src.mesh.shape != dst.mesh.shape or src.shape != dst.shape:
+        raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {dst.mesh}/{dst.shape}")
+    cm = cost_model or CostModel(src.mesh)
+    return (_plan_cached if cache else _plan)(src, dst, cm)
+
+
+@lru_cache(maxsize=16384)
+def _plan_cached(src: ShardingSpec, dst: ShardingSpec, cm: CostModel) -> RedistributePlan:
+    return _plan(src, dst, cm)
+
+
+def _partials(spec: ShardingSpec) -> dict[int, str]:
+    from ..adapter import Partial
+
+    return {m: p.reduce_op for m, p in enumerate(spec.placements) if isinstance(p, Partial)}
+
+
+def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel) -> RedistributePlan:
+    mesh = src.mesh
+    sp, dp = _partials(src), _partials(dst)
+    problem = Problem(cm, mesh.shape, src.levels, dst.levels, tuple(sp), tuple(dp),
+                      src.partial_op, dst.partial_op, src.nbytes)
+    total, moves, states = solve(problem)
+    steps, levels, partials = [], [src.levels], [dict(sp)]
+    part = dict(sp)
+    for (move, c), (stacks, _pa, _pb), prev in zip(moves, states[1:], states[:-1]):
+        m = move.mesh_dim
+        before = levels_to_placements(prev[0], part, mesh.ndim)[m]
+        part = dict(part)
+        if move.kind in (AR, RS):
+            part.pop(m)
+        elif move.kind == MAKE_PARTIAL:
+            part[m] = dst.partial_op
+        after = levels_to_placements(stacks, part, mesh.ndim)[m]
+        steps.append(Step((m,), before, after, _COLLECTIVE[move.kind], c, move))
+        levels.append(stacks)
+        partials.append(part)
+    return RedistributePlan(src, dst, tuple(steps), tuple(levels), tuple(partials), total)

@@ -1,0 +1,305 @@
+"""A value's sharding: placements per mesh dim + shard order + global shape/dtype.
+
+Internally a sharded tensor dim is described by its *levels*: the mesh dims that split it, in the
+order they were applied, each with a split factor (1 for ``Shard``, ``sf`` for ``_StridedShard``).
+Splitting follows DTensor exactly (``torch.chunk`` semantics: chunks of ``ceil(n/k)``, trailing
+chunks shorter or empty), so every local shape and index below matches DTensor, uneven sizes too.
+
+Level ``(m, sf)`` applied to a local extent of ``n`` elements: cut it into ``sf`` pieces, cut each
+piece into ``k_m`` chunks, and rank ``c`` on mesh dim ``m`` keeps chunk ``c`` of every piece.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .adapter import Partial, Replicate, Shard, is_strided_shard, strided_split_factor
+from .mesh import MeshSpec
+
+Level = tuple[int, int]  # (mesh_dim, split_factor)
+Levels = tuple[tuple[Level, ...], ...]  # one tuple of levels per tensor dim
+
+
+def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """(start, length) of each of ``k`` torch.chunk-style chunks of ``n`` elements."""
+    cs = -(-n // k) if n else 0
+    out = []
+    for c in range(k):
+        start = min(c * cs, n)
+        out.append((start, max(0, min(cs, n - start))))
+    return out
+
+
+@lru_cache(maxsize=65536)
+def level_positions(n: int, k: int, sf: int) -> tuple[tuple[int, ...], ...]:
+    """For each of the ``k`` ranks: the positions (0..n-1) of the local extent it keeps."""
+    if sf == 1:
+        return tuple(tuple(range(s, s + ln)) for s, ln in chunk_bounds(n, k))
+    pieces = chunk_bounds(n, sf)
+    out: list[list[int]] = [[] for _ in range(k)]
+    for ps, pl in pieces:
+        for c, (s, ln) in enumerate(chunk_bounds(pl, k)):
+            out[c].extend(range(ps + s, ps + s + ln))
+    return tuple(tuple(o) for o in out)
+
+
+def local_indices(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]) -> list[int]:
+    """Global indices held along one tensor dim by the rank at ``coord``, in local order."""
+    idx = list(range(n))
+    for m, sf in levels:
+        pos = level_positions(len(idx), mesh_shape[m], sf)[coord[m]]
+        idx = [idx[p] for p in pos]
+    return idx
+
+
+def local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]) -> int:
+    for m, sf in levels:
+        n = len(level_positions(n, mesh_shape[m], sf)[coord[m]]) if sf != 1 else chunk_bounds(n, mesh_shape[m])[coord[m]][1]
+    return n
+
+
+def max_local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int]) -> int:
+    """Largest local extent over all ranks (what padded collectives move)."""
+    sizes = {n}
+    for m, sf in levels:
+        sizes = {len(p) for s in sizes for p in level_positions(s, mesh_shape[m], sf)}
+    return max(sizes)
+
+
+def placement_str(p) -> str:
+    if is_strided_shard(p):
+        return f"_S({p.dim},{strided_split_factor(p)})"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return repr(p)
+
+
+def _check_placements(mesh: MeshSpec, placements, ndim: int, what: str) -> tuple:
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{what}: {len(placements)} placements {tuple(placement_str(p) for p in placements)} for a "
+            f"{mesh.ndim}-D mesh {mesh.shape}; give exactly one placement per mesh dim")
+    kinds = set()
+    for i, p in enumerate(placements):
+        if _is_shard_like(p):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(
+                    f"{what}: {placement_str(p)} on mesh dim {i} shards tensor dim {p.dim}, "
+                    f"out of range for a {ndim}-D tensor")
+            if is_strided_shard(p) and strided_split_factor(p) < 1:
+                raise ValueError(f"{what}: {placement_str(p)} on mesh dim {i} has split factor < 1")
+        elif isinstance(p, Partial):
+            kinds.add(p.reduce_op)
+        elif not isinstance(p, Replicate):
+            raise ValueError(
+                f"{what}: unknown placement {p!r} on mesh dim {i}; expected Replicate(), Shard(d), "
+                f"Partial(op) or _StridedShard(d, sf)")
+    if len(kinds) > 1:
+        raise ValueError(f"{what}: mixed Partial kinds {sorted(kinds)} in one placement; use one reduce op")
+    for op in kinds:
+        if op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"{what}: Partial({op!r}) is not supported; use sum, avg, max or min")
+    # Normalise negative shard dims so equal shardings compare equal.
+    return tuple(
+        (type(p)(p.dim % ndim, split_factor=strided_split_factor(p)) if is_strided_shard(p)
+         else Shard(p.dim % ndim)) if _is_shard_like(p) else p
+        for p in placements)
+
+
+def _is_shard_like(p) -> bool:
+    return isinstance(p, Shard) or is_strided_shard(p)
+
+
+def _normalize_order(shard_order, placements, ndim: int, what: str) -> dict[int, tuple[int, ...]]:
+    """{tensor_dim: mesh dims in application order}; default: ascending mesh dims."""
+    default: dict[int, list[int]] = {}
+    for i, p in enumerate(placements):
+        if _is_shard_like(p):
+            default.setdefault(p.dim, []).append(i)
+    if shard_order is None:
+        return {d: tuple(ms) for d, ms in default.items()}
+    if isinstance(shard_order, dict):
+        entries = list(shard_order.items())
+    else:
+        entries = [(e[0], e[1]) for e in shard_order]
+    order: dict[int, tuple[int, ...]] = {}
+    for tdim, mdims in entries:
+        order[int(tdim) % ndim] = tuple(int(m) for m in mdims)
+    for d in set(order) | set(default):
+        if sorted(order.get(d, ())) != sorted(default.get(d, ())):
+            raise ValueError(
+                f"{what}: shard order {order} does not match the placements: tensor dim {d} is sharded "
+                f"by mesh dims {tuple(default.get(d, ()))}")
+    return order
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """Placements + shard order + global shape/dtype of one value on one mesh."""
+
+    mesh: MeshSpec
+    placements: tuple
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    levels: Levels
+
+    @classmethod
+    def make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
+             what: str = "sharding") -> ShardingSpec:
+        shape = tuple(int(s) for s in shape)
+        placements = _check_placements(mesh, placements, len(shape), what)
+        order = _normalize_order(shard_order, placements, len(shape), what)
+        levels = []
+        for d in range(len(shape)):
+            lv = []
+            for m in order.get(d, ()):
+                p = placements[m]
+                lv.append((m, strided_split_factor(p) if is_strided_shard(p) else 1))
+            levels.append(tuple(lv))
+        levels = canonical_levels(tuple(levels), shape, mesh.shape)
+        partial = {m: p.reduce_op for m, p in enumerate(placements) if isinstance(p, Partial)}
+        return cls(mesh, levels_to_placements(levels, partial, mesh.ndim), shape, dtype, levels)
+
+    @property
+    def partial_op(self) -> str | None:
+        for p in self.placements:
+            if isinstance(p, Partial):
+                return p.reduce_op
+        return None
+
+    @property
+    def shard_order(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        return tuple((d, tuple(m for m, _ in lv)) for d, lv in enumerate(self.levels) if lv)
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.mesh.shape[m] for lv in self.levels for m, _ in lv)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
+        return tuple(local_extent(n, lv, self.mesh.shape, coord) for n, lv in zip(self.shape, self.levels))
+
+    def local_offset(self, coord: Sequence[int]) -> tuple[int, ...]:
+        """Global offset of the local block (meaningful when no level is strided)."""
+        out = []
+        for n, lv in zip(self.shape, self.levels):
+            if any(sf != 1 for _, sf in lv):
+                raise ValueError(f"local_offset: tensor dim with strided levels {lv} has no single offset")
+            start = 0
+            for m, _ in lv:
+                s, n = chunk_bounds(n, self.mesh.shape[m])[coord[m]]
+                start += s
+            out.append(start)
+        return tuple(out)
+
+    def local_indices(self, coord: Sequence[int], dim: int) -> list[int]:
+        return local_indices(self.shape[dim], self.levels[dim], self.mesh.shape, coord)
+
+    def shard_full(self, full: torch.Tensor, coord: Sequence[int]) -> torch.Tensor:
+        """This rank's local tensor of ``full`` (Partial dims: rank 0 of the dim holds the value)."""
+        out = full
+        for d, lv in enumerate(self.levels):
+            if lv:
+                idx = self.local_indices(coord, d)
+                out = out.index_select(d, torch.tensor(idx, dtype=torch.long, device=full.device))
+        for m, p in enumerate(self.placements):
+            if isinstance(p, Partial) and p.reduce_op == "sum" and coord[m] != 0:
+                out = torch.zeros_like(out)
+        return out.contiguous()
+
+    def __str__(self) -> str:
+        return placements_str(self.placements, self.levels)
+
+
+def placements_str(placements, levels: Levels | None = None) -> str:
+    """Compact form such as ``S(0)[1]S(0)[0]R``: the bracket is the position in the shard order, shown
+    only when the order is not the default."""
+    s = []
+    pos = {}
+    nondefault = False
+    if levels is not None:
+        for lv in levels:
+            ms = [m for m, _ in lv]
+            if ms != sorted(ms):
+                nondefault = True
+            for j, (m, _) in enumerate(lv):
+                pos[m] = j
+    for i, p in enumerate(placements):
+        t = placement_str(p)
+        if nondefault and i in pos:
+            t += f"[{pos[i]}]"
+        s.append(t)
+    return "".join(s)
+
+
+def canonical_levels(levels: Levels, shape, mesh_shape) -> Levels:
+    """Rewrite strided levels that are only a shard order in disguise as plain levels.
+
+    ``(m, sf)`` followed by plain levels whose sizes multiply to ``sf`` is the same partition as those
+    levels followed by ``(m, 1)`` (the right-to-left sharding _StridedShard was made for).  The
+    rewrite is kept only when it gives every rank exactly the same indices (uneven sizes can differ).
+    """
+    out = []
+    for n, lv in zip(shape, levels):
+        lv = tuple(lv)
+        changed = True
+        while changed:
+            changed = False
+            for p, (m, sf) in enumerate(lv):
+                rest = lv[p + 1:]
+                if sf == 1 or not rest or any(s != 1 for _, s in rest):
+                    continue
+                if math.prod(mesh_shape[r] for r, _ in rest) != sf:
+                    continue
+                cand = lv[:p] + rest + ((m, 1),)
+                if _same_partition(n, lv, cand, mesh_shape):
+                    lv, changed = cand, True
+                    break
+        out.append(lv)
+    return tuple(out)
+
+
+def _same_partition(n, a, b, mesh_shape) -> bool:
+    dims = sorted({m for m, _ in a})
+    for coord_vals in _coords([mesh_shape[m] for m in dims]):
+        coord = [0] * len(mesh_shape)
+        for m, c in zip(dims, coord_vals):
+            coord[m] = c
+        if local_indices(n, a, mesh_shape, coord) != local_indices(n, b, mesh_shape, coord):
+            return False
+    return True
+
+
+def _coords(sizes):
+    if not sizes:
+        yield ()
+        return
+    for c in range(sizes[0]):
+        for rest in _coords(sizes[1:]):
+            yield (c, *rest)
+
+
+def levels_to_placements(levels: Levels, partial: dict[int, str], mesh_ndim: int) -> tuple:
+    """Placements tuple for a planner state (levels + partial mesh dims)."""
+    from .adapter import StridedShard
+
+    out: list = [Replicate()] * mesh_ndim
+    for d, lv in enumerate(levels):
+        for m, sf in lv:
+            out[m] = StridedShard(d, split_factor=sf) if sf != 1 else Shard(d)
+    for m, op in partial.items():
+        out[m] = Partial(op)
+    return tuple(out)
