@@ -72,3 +72,68 @@ def coordinate_tensor(device_mesh):
     if enabled_local_tensor_mode() is not None:
         return rank_map(lambda r: (mesh == r).nonzero()[0].clone())
     return torch.tensor(device_mesh.get_coordinate(), dtype=torch.long)
+
+
+# ---- torch's own redistribution planners, for comparisons (benchmarks, tests) -------------------
+
+def torch_planning_mesh(shape):
+    """A DeviceMesh of ``shape`` without any process group (enough for torch's planners)."""
+    import math
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(math.prod(shape)).view(tuple(shape)), _init_backend=False, _rank=0)
+
+
+def torch_topology(device_mesh):
+    """(bandwidth, latency) per mesh dim as torch's cost model sees this mesh."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    info = MeshTopoInfo.build_from_mesh(device_mesh)
+    return tuple(info.mesh_dim_bandwidth), tuple(info.mesh_dim_latency)
+
+
+def _torch_spec(device_mesh, placements, shape, dtype, shard_order):
+    import torch
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    tm = TensorMeta(t.shape, t.stride(), t.dtype)
+    order = None
+    if shard_order is not None:
+        order = tuple(ShardOrderEntry(d, tuple(ms)) for d, ms in sorted(dict(shard_order).items()) if ms)
+    return DTensorSpec(device_mesh, tuple(placements), tensor_meta=tm, shard_order=order)
+
+
+def torch_plan(device_mesh, src, dst, shape, dtype, src_order=None, dst_order=None, *, graph=True):
+    """torch's plan as [(mesh_dim, src_placement, dst_placement)], uncached (a fresh planner)."""
+    import torch.distributed.tensor._redistribute as R
+
+    s = _torch_spec(device_mesh, src, shape, dtype, src_order)
+    d = _torch_spec(device_mesh, dst, shape, dtype, dst_order)
+    planner = R.DTensorRedistributePlanner(device_mesh, s.tensor_meta)
+    if graph:
+        infos = planner.generate_graph_based_transform_infos(s, d, s.shape)
+    else:
+        infos = planner.generate_greedy_transform_infos(s, d)
+    return s, [(ti.mesh_dim, *ti.src_dst_placements) for ti in infos]
+
+
+def torch_score(src_spec, steps) -> float:
+    """Sum of torch's ``one_step_redistribute_cost`` over a plan, replayed step by step from
+    ``src_spec`` (a torch DTensorSpec).  inf if a step is impossible (e.g. Shard -> Partial)."""
+    from torch.distributed.tensor._collective_utils import one_step_redistribute_cost
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    placements = list(src_spec.placements)
+    total = 0.0
+    cur = DTensorSpec(src_spec.mesh, tuple(placements), tensor_meta=src_spec.tensor_meta,
+                      use_strided_shard_as_shard_order=False)
+    for m, _, dst in steps:
+        placements[m] = dst
+        nxt = DTensorSpec(src_spec.mesh, tuple(placements), tensor_meta=src_spec.tensor_meta,
+                          use_strided_shard_as_shard_order=False)
+        total += one_step_redistribute_cost(cur, nxt)
+        cur = nxt
+    return total

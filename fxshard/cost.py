@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from .mesh import MeshSpec
 
@@ -58,6 +59,19 @@ class CostModel:
         if k == 1:
             return 0.0
         return self.latency(kind, k, lat) + local_bytes * self.byte_factor(kind, k, bw)
+
+    @cached_property
+    def per_dim(self) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+        """{kind: (latency per mesh dim, µs per local byte per mesh dim)}: the planner's tables."""
+        out = {}
+        for kind in COLLECTIVES:
+            lats, facs = [], []
+            for m in range(self.mesh.ndim):
+                k, lat, bw = self.group((m,))
+                lats.append(self.latency(kind, k, lat) if k > 1 else 0.0)
+                facs.append(self.byte_factor(kind, k, bw) if k > 1 else 0.0)
+            out[kind] = (tuple(lats), tuple(facs))
+        return out
 
     # The two halves are exposed separately: the planner precomputes them per mesh dim.
     def latency(self, kind: str, k: int, lat: float) -> float:

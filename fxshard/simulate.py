@@ -104,7 +104,6 @@ def _R():
 
 
 def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=True) -> torch.Tensor:
-    mesh_shape = spec.mesh.shape
     pdims = [m for m, p in enumerate(spec.placements) if isinstance(p, Partial)]
     op = spec.partial_op
     # Group ranks by their partial-dim coordinates: each group holds one full addend.

@@ -59,7 +59,10 @@ def local_indices(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], co
 
 def local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]) -> int:
     for m, sf in levels:
-        n = len(level_positions(n, mesh_shape[m], sf)[coord[m]]) if sf != 1 else chunk_bounds(n, mesh_shape[m])[coord[m]][1]
+        if sf != 1:
+            n = len(level_positions(n, mesh_shape[m], sf)[coord[m]])
+        else:
+            n = chunk_bounds(n, mesh_shape[m])[coord[m]][1]
     return n
 
 

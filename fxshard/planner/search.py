@@ -65,14 +65,12 @@ class Problem:
         self.start_pa, self.start_pb = (0, smask) if same_op else (smask, 0)
         both_linear = src_op in LINEAR_OPS + (None,) and dst_op in LINEAR_OPS + (None,)
         self.mix_ok = same_op or both_linear
-        cm = cost_model
         self.lat = {}
         self.fac = {}
-        for kind in (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL):
+        for kind, (lats, facs) in cost_model.per_dim.items():
             for m in range(self.M):
-                k, lat, bw = cm.group((m,))
-                self.lat[kind, m] = cm.latency(kind, k, lat) if k > 1 else 0.0
-                self.fac[kind, m] = cm.byte_factor(kind, k, bw) if k > 1 else 0.0
+                self.lat[kind, m] = lats[m]
+                self.fac[kind, m] = facs[m]
         # dst location of each mesh dim
         self.dst_where = {}
         for d, lv in enumerate(dst_levels):
@@ -105,22 +103,74 @@ class Problem:
             rs = self.lat[REDUCE_SCATTER, m] + self.fac[REDUCE_SCATTER, m] * n_un
             dst = self.dst_where.get(m)
             dst_p = bool(self.dst_pmask >> m & 1)
-            to_r = min(ar, rs + ag)
+            # A reduce-scatter towards a replicated target leaves a level that must be gathered; that
+            # gather is counted by the gather bound below, so here only min(ar, rs) (consistency).
+            to_r = min(ar, rs)
             lb_pb = 0.0 if dst_p else (min(rs, ar) if dst is not None else to_r)
             lb_pa = min(rs, ar) if dst is not None else to_r
             self.lb.append({"R": 0.0, "Pa": lb_pa, "Pb": lb_pb, "S": (dst, min(a2a, ag), ag)})
+        # Gather bound.  Mesh dims not sharded by the target ("cand") must be gathered after their
+        # last push; when the last gather of x_i runs, only dims the target shards and cand dims
+        # gathered later can still shard the tensor, so its input is >= g / (K_S * prod k_{x_j>=i}).
+        # Minimised over orderings and over optional extra cand dims, per set of cand dims that are
+        # sharded now.  Consistent: a gather of m costs at least the bound's term for m put first.
+        self.cand = [m for m in range(self.M) if m not in self.dst_where]
+        self.cand_mask = sum(1 << m for m in self.cand)
+        self.K_S = math.prod(self.k[m] for m in self.dst_where)
+        self._build_gather_table()
 
-    def lb_shard(self, m, d, sf):
-        dst, move, ag = self.lb[m]["S"]
-        if dst is None:
-            return ag
-        return 0.0 if dst == (d, sf) else move
+    def _build_gather_table(self):
+        cand = self.cand
+        c = len(cand)
+        k = [self.k[m] for m in cand]
+        fac = [self.fac[ALL_GATHER, m] for m in cand]
+        lat = [self.lat[ALL_GATHER, m] for m in cand]
+        base = self.g / self.K_S
+        size = 1 << c
+        prod = [1] * size
+        total = [0.0] * size  # best ordering cost + latencies of set y (bits index into cand)
+        for y in range(1, size):
+            low = (y & -y).bit_length() - 1
+            prod[y] = prod[y & (y - 1)] * k[low]
+            n = base / prod[y]
+            total[y] = min(fac[i] * n + lat[i] + total[y & ~(1 << i)] for i in range(c) if y >> i & 1)
+        for i in range(c):  # min over supersets: optional extra gathers may lower the bound
+            bit = 1 << i
+            for y in range(size):
+                if not y & bit and total[y | bit] < total[y]:
+                    total[y] = total[y | bit]
+        self._table = total
+        self._bit_of = {m: i for i, m in enumerate(cand)}
+        self._hag = {}
+
+    def gather_lb(self, mand):
+        """Bound on the gathers still needed, given the mask of cand mesh dims sharded now."""
+        h = self._hag.get(mand)
+        if h is None:
+            y = 0
+            for m, i in self._bit_of.items():
+                if mand >> m & 1:
+                    y |= 1 << i
+            h = self._hag[mand] = self._table[y]
+        return h
+
+    def stack_lb(self, d, st):
+        """Sum of level bounds of one stack: levels above the common prefix with the target all
+        have to move."""
+        tgt = self.dst_levels[d]
+        h = 0.0
+        ok = True
+        for p, (m, sf) in enumerate(st):
+            ok = ok and p < len(tgt) and tgt[p] == (m, sf)
+            if not ok:
+                dst, move, _ag = self.lb[m]["S"]
+                h += move if dst is not None else 0.0  # gathers: see gather_lb
+        return h
 
     def heuristic(self, stacks, pa, pb):
-        h = 0.0
+        h = self.gather_lb(self.cand_mask & sum(1 << m for st in stacks for m, _ in st))
         for d, st in enumerate(stacks):
-            for m, sf in st:
-                h += self.lb_shard(m, d, sf)
+            h += self.stack_lb(d, st)
         for m in range(self.M):
             if pa >> m & 1:
                 h += self.lb[m]["Pa"]
@@ -130,7 +180,7 @@ class Problem:
 
 
 def solve(problem: Problem):
-    """Return (cost, [Move, ...], [state, ...]) of a min-cost path; raises if none exists."""
+    """Return (cost, [(Move, cost), ...], [state, ...]) of a min-cost path."""
     P = problem
     k = P.k
     start = (P.src_levels, P.start_pa, P.start_pb)
@@ -139,7 +189,21 @@ def solve(problem: Problem):
         return 0.0, [], [start]
     lat, fac = P.lat, P.fac
     scratch, scratch_set = P.scratch, P.scratch_set
+    tgt = P.dst_levels
     g_bytes = P.g
+    M, T = P.M, P.T
+    dst_pmask = P.dst_pmask
+    lb, targets = P.lb, P.targets
+    # per mesh dim: cost of one unavoidable move of a misplaced level, and the P-dim bounds
+    lvl_lb = [lb[m]["S"][1] if lb[m]["S"][0] is not None else 0.0 for m in range(M)]
+    cand_mask, gather_lb = P.cand_mask, P.gather_lb
+    lb_pa = [lb[m]["Pa"] for m in range(M)]
+    lb_pb = [lb[m]["Pb"] for m in range(M)]
+    c_ag = [(lat[ALL_GATHER, m], fac[ALL_GATHER, m]) for m in range(M)]
+    c_a2a = [(lat[ALL_TO_ALL, m], fac[ALL_TO_ALL, m]) for m in range(M)]
+    c_ar = [(lat[ALL_REDUCE, m], fac[ALL_REDUCE, m]) for m in range(M)]
+    c_rs = [(lat[REDUCE_SCATTER, m], fac[REDUCE_SCATTER, m]) for m in range(M)]
+    # push targets per mesh dim, split into "can extend a target prefix" bookkeeping at push time
     start_shards = 1
     for st in P.src_levels:
         for m, _ in st:
@@ -148,83 +212,100 @@ def solve(problem: Problem):
     best = {start: 0.0}
     parent = {start: None}
     counter = 0
-    heap = [(h0, 0, counter, 0.0, start, start_shards, h0)]
-    M, T = P.M, P.T
-    dst_pmask, mix_ok = P.dst_pmask, P.mix_ok
-    lb, lb_shard, targets = P.lb, P.lb_shard, P.targets
+    heap = [(h0, 0, 0, 0.0, start, start_shards, h0)]
+    push_heap = heapq.heappush
+    pop_heap = heapq.heappop
+    inf = math.inf
+    ub = inf
     while heap:
-        f, neg_depth, _, gcost, state, shards, h = heapq.heappop(heap)
+        _f, depth, _, gcost, state, shards, h = pop_heap(heap)
         if gcost > best[state]:
             continue
         if state == goal:
             return _unwind(parent, state, gcost)
         stacks, pa, pb = state
         n = g_bytes / shards
-        used = 0  # mesh dims that are sharded or partial
+        sharded = 0
         for st in stacks:
             for m, _ in st:
-                used |= 1 << m
-        used |= pa | pb
-        first_empty_scratch = next((d for d in scratch if not stacks[d]), None)
-
-        def push(new_state, step_cost, new_shards, dh, move):
-            nonlocal counter
-            ng = gcost + step_cost
-            if ng < best.get(new_state, math.inf) - 1e-12:
-                best[new_state] = ng
-                parent[new_state] = (state, move, step_cost)
-                counter += 1
-                nh = h + dh
-                heapq.heappush(heap, (ng + nh, neg_depth - 1, counter, ng, new_state, new_shards, nh))
-
+                sharded |= 1 << m
+        used = sharded | pa | pb
+        mand = sharded & cand_mask
+        h_ag = gather_lb(mand)
+        first_empty_scratch = -1
+        for d in scratch:
+            if not stacks[d]:
+                first_empty_scratch = d
+                break
+        depth -= 1
+        at_target = stacks == tgt
+        nbrs = []  # (new_state, step_cost, new_shards, dh, move)
         for d in range(T):
             st = stacks[d]
             if not st:
                 continue
             m, sf = st[-1]
-            popped = stacks[:d] + (st[:-1],) + stacks[d + 1:]
-            old_lb = lb_shard(m, d, sf)
-            # S -> R: all-gather
-            push((popped, pa, pb), lat[ALL_GATHER, m] + fac[ALL_GATHER, m] * n, shards // k[m],
-                 -old_lb, Move(AG, m, d, None))
-            # S -> S': all-to-all onto another tensor dim (or the same dim with another split factor)
+            rest = st[:-1]
+            top_lb = 0.0 if st == tgt[d][:len(st)] else lvl_lb[m]
+            popped = stacks[:d] + (rest,) + stacks[d + 1:]
+            la, fa = c_ag[m]
+            nbrs.append(((popped, pa, pb), la + fa * n, shards // k[m],
+                         gather_lb(mand & ~(1 << m)) - h_ag - top_lb, (AG, m, d, None, 1)))
+            la, fa = c_a2a[m]
+            a2a_cost = la + fa * n
             for d2, sf2 in targets[m]:
-                if (d2, sf2) == (d, sf):
+                if d2 == d and sf2 == sf:
                     continue
-                if d2 in scratch_set and d2 != first_empty_scratch and not stacks[d2]:
+                st2 = popped[d2]
+                if not st2 and d2 in scratch_set and d2 != first_empty_scratch and d2 != d:
                     continue
-                st2 = popped[d2] + ((m, sf2),)
-                ns = popped[:d2] + (st2,) + popped[d2 + 1:]
-                push((ns, pa, pb), lat[ALL_TO_ALL, m] + fac[ALL_TO_ALL, m] * n, shards,
-                     lb_shard(m, d2, sf2) - old_lb, Move(A2A, m, d, d2, sf2))
+                st2 = st2 + ((m, sf2),)
+                new_lb = 0.0 if st2 == tgt[d2][:len(st2)] else lvl_lb[m]
+                nbrs.append(((popped[:d2] + (st2,) + popped[d2 + 1:], pa, pb), a2a_cost, shards,
+                             new_lb - top_lb, (A2A, m, d, d2, sf2)))
         for m in range(M):
             bit = 1 << m
             if used & bit:
-                if (pa | pb) & bit:
-                    is_a = bool(pa & bit)
-                    old_lb = lb[m]["Pa" if is_a else "Pb"]
-                    npa, npb = (pa & ~bit, pb) if is_a else (pa, pb & ~bit)
-                    # P -> R: all-reduce
-                    push((stacks, npa, npb), lat[ALL_REDUCE, m] + fac[ALL_REDUCE, m] * n, shards,
-                         -old_lb, Move(AR, m, None, None))
-                    # P -> S: reduce-scatter
-                    rs_cost = lat[REDUCE_SCATTER, m] + fac[REDUCE_SCATTER, m] * n
-                    for d2, sf2 in targets[m]:
-                        if d2 in scratch_set and d2 != first_empty_scratch and not stacks[d2]:
-                            continue
-                        ns = stacks[:d2] + (stacks[d2] + ((m, sf2),),) + stacks[d2 + 1:]
-                        push((ns, npa, npb), rs_cost, shards * k[m], lb_shard(m, d2, sf2) - old_lb,
-                             Move(RS, m, None, d2, sf2))
-                continue
-            # R -> S: free local slice
-            for d2, sf2 in targets[m]:
-                if d2 in scratch_set and d2 != first_empty_scratch and not stacks[d2]:
+                if not (pa | pb) & bit:
                     continue
-                ns = stacks[:d2] + (stacks[d2] + ((m, sf2),),) + stacks[d2 + 1:]
-                push((ns, pa, pb), 0.0, shards * k[m], lb_shard(m, d2, sf2), Move(SHARD, m, None, d2, sf2))
-            # R -> P: free, only where the target is partial
-            if dst_pmask & bit and (mix_ok or not pa):
-                push((stacks, pa, pb | bit), 0.0, shards, lb[m]["Pb"], Move(MAKE_PARTIAL, m, None, None))
+                if pa & bit:
+                    old_lb, npa, npb = lb_pa[m], pa & ~bit, pb
+                else:
+                    old_lb, npa, npb = lb_pb[m], pa, pb & ~bit
+                la, fa = c_ar[m]
+                nbrs.append(((stacks, npa, npb), la + fa * n, shards, -old_lb, (AR, m, None, None, 1)))
+                la, fa = c_rs[m]
+                step_cost, new_shards, kind, base = la + fa * n, shards * k[m], RS, -old_lb
+                pstate = (npa, npb)
+            else:
+                step_cost, new_shards, kind, base = 0.0, shards * k[m], SHARD, 0.0
+                pstate = (pa, pb)
+                # Making a dim partial is free and changes no size, so it can always wait until
+                # everything else is in place: only allow it there (never mixes reduce ops either).
+                if dst_pmask & bit and at_target and not pa:
+                    nbrs.append(((stacks, pa, pb | bit), 0.0, shards, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
+            if cand_mask >> m & 1:  # the new level will have to be gathered
+                base += gather_lb(mand | bit) - h_ag
+            for d2, sf2 in targets[m]:
+                st2 = stacks[d2]
+                if not st2 and d2 in scratch_set and d2 != first_empty_scratch:
+                    continue
+                st2 = st2 + ((m, sf2),)
+                new_lb = 0.0 if st2 == tgt[d2][:len(st2)] else lvl_lb[m]
+                nbrs.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], *pstate), step_cost, new_shards,
+                             base + new_lb, (kind, m, None, d2, sf2)))
+        for new_state, step_cost, new_shards, dh, move in nbrs:
+            ng = gcost + step_cost
+            if ng + h + dh >= ub:  # can never beat a path to the target already found
+                continue
+            if new_state == goal:
+                ub = ng + 1e-9
+            if ng < best.get(new_state, inf) - 1e-9:
+                best[new_state] = ng
+                parent[new_state] = (state, move, step_cost)
+                counter += 1
+                nh = h + dh
+                push_heap(heap, (ng + nh, depth, counter, ng, new_state, new_shards, nh))
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
 
 
@@ -232,7 +313,7 @@ def _unwind(parent, state, total):
     moves, costs, states = [], [], [state]
     while parent[state] is not None:
         prev, move, c = parent[state]
-        moves.append(move)
+        moves.append(Move(*move))
         costs.append(c)
         states.append(prev)
         state = prev
