@@ -1,0 +1,303 @@
+"""annotate: give every node its output placements, the input placements its strategy needs, and
+the reason (provenance).
+
+Fixed placements come first: parameters from the plan (replicated otherwise), graph inputs from
+explicit ``input_placements`` or the plan's hints (data-parallel mesh dims shard the batch), module
+boundaries from the plan.  Every other op takes, among the candidates its sharding rule allows, the
+one with the least total redistribution cost from its producers' placements (planner costs); ties go
+to the candidate that changes fewer inputs.  Only even shardings are accepted, so one per-rank graph
+serves every rank.  An op without a rule is computed replicated, with a logged warning that names
+the op, the node and its source line.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .. import strategies
+from ..adapter import Partial, Replicate, Shard, is_strided_shard
+from ..cost import CostModel
+from ..mesh import MeshSpec
+from ..planner import plan_between
+from ..plans import PlanConstraints
+from ..spec import ShardingSpec, level_positions, placements_str
+from .capture import BUFFER, CONSTANT, INPUT, PARAM, info
+
+log = logging.getLogger("fxshard")
+
+
+def is_even(spec: ShardingSpec) -> bool:
+    """Every level splits its extent exactly (the rank-agnostic lowering needs it)."""
+    for n, lv in zip(spec.shape, spec.levels):
+        e = n
+        for m, sf in lv:
+            k = spec.mesh.shape[m]
+            if e % (k * sf):
+                return False
+            e = len(level_positions(e, k, sf)[0])
+    return True
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node | None]:
+    """The node's tensor inputs in tree_flatten order of (args, kwargs) (what the rules count)."""
+    leaves, _ = tree_flatten((tuple(node.args), dict(node.kwargs)))
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _val(x):
+    return x.meta["val"] if isinstance(x, fx.Node) else x
+
+
+def _normalize(p, ndim):
+    if isinstance(p, Shard) and p.dim < 0:
+        return Shard(p.dim % ndim)
+    return p
+
+
+def _where(rec) -> str:
+    where = f" at {rec.source}" if rec.source else ""
+    code = f" ({rec.code})" if rec.code else ""
+    return where + code
+
+
+class Annotator:
+    def __init__(self, mesh: MeshSpec, cost_model: CostModel, constraints: PlanConstraints,
+                 input_placements: Sequence | None, output_placements: Sequence | None):
+        self.mesh = mesh
+        self.cm = cost_model
+        self.cons = constraints
+        self.input_placements = input_placements
+        self.output_placements = output_placements
+        self.rules_mesh = strategies.rules_mesh(mesh.shape)
+        self.warnings: list[str] = []
+        self._cand_cache: dict = {}
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def spec(self, placements, val: torch.Tensor, order=None, what="") -> ShardingSpec:
+        placements = tuple(_normalize(p, val.ndim) for p in placements)
+        return ShardingSpec.make(self.mesh, placements, tuple(val.shape), val.dtype, order, what=what)
+
+    def warn(self, msg: str):
+        self.warnings.append(msg)
+        log.warning("fxshard: %s", msg)
+
+    def cost(self, src: ShardingSpec, dst: ShardingSpec) -> float:
+        if src.levels == dst.levels and src.placements == dst.placements:
+            return 0.0
+        return plan_between(src, dst, self.cm).cost
+
+    def dp_default(self, val) -> list:
+        """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh dim."""
+        out = [Replicate()] * self.mesh.ndim
+        if self.cons.dim is None and self.input_placements is None:
+            return out
+        shards = 1
+        for m in range(self.mesh.ndim):
+            if m == self.cons.dim:
+                continue
+            k = self.mesh.shape[m]
+            if val.ndim >= 1 and val.shape[0] % (shards * k) == 0:
+                out[m] = Shard(0)
+                shards *= k
+        return out
+
+    # ---- per node kind ---------------------------------------------------------------------------
+    def placeholder(self, node):
+        rec = info(node)
+        val = node.meta["val"]
+        if rec.kind in (PARAM, BUFFER, CONSTANT):
+            want = self.cons.params.get(rec.fqn)
+            pl = [Replicate()] * self.mesh.ndim
+            rec.provenance = "replicated (no plan entry)"
+            if want is not None:
+                pl[self.cons.dim] = want[0]
+                spec = self.spec(pl, val, what=f"parameter {rec.fqn}")
+                if is_even(spec):
+                    rec.spec, rec.provenance = spec, want[1]
+                    return
+                self.warn(f"{want[1]} asks for {placements_str(spec.placements)} on {rec.fqn} of shape "
+                          f"{tuple(val.shape)}, which mesh {self.mesh.shape} does not divide evenly; "
+                          f"keeping {rec.fqn} replicated")
+                pl = [Replicate()] * self.mesh.ndim
+                rec.provenance = f"replicated (indivisible for {want[1]})"
+            rec.spec = self.spec(pl, val)
+            return
+        assert rec.kind == INPUT
+        i = rec.input_index
+        if self.input_placements is not None:
+            if i >= len(self.input_placements):
+                raise ValueError(f"input_placements has {len(self.input_placements)} entries, but the program "
+                                 f"takes input {i} ({node.name})")
+            rec.spec = self.spec(self.input_placements[i], val, what=f"input_placements[{i}]")
+            rec.provenance = f"input_placements[{i}]"
+        else:
+            pl = self.dp_default(val)
+            hint = None
+            for user in node.users:
+                tag = info(user).extra.get("tag")
+                if tag in self.cons.input_hints:
+                    hint = self.cons.input_hints[tag]
+            if hint is not None and self.cons.dim is not None:
+                pl[self.cons.dim] = hint
+            rec.spec = self.spec(pl, val, what=f"input {i}")
+            rec.provenance = "input (plan hint)" if hint is not None else "input (data parallel)"
+        if not is_even(rec.spec):
+            self.warn(f"input {i} ({node.name}) of shape {tuple(val.shape)} does not divide evenly as "
+                      f"{rec.spec}; replicating it")
+            rec.spec = self.spec([Replicate()] * self.mesh.ndim, val)
+            rec.provenance += " -> replicated (indivisible)"
+
+    def boundary(self, node):
+        rec = info(node)
+        src = info(node.args[0]).spec
+        tag = rec.extra["tag"]
+        want = self.cons.boundaries.get(tag)
+        rec.module = tag.split(":")[0]
+        if want is None or want[0] is None:
+            rec.spec, rec.provenance = src, "passthrough"
+        else:
+            pl = list(src.placements)
+            pl[self.cons.dim] = want[0]
+            # the other mesh dims keep what the value has, but only the plan dim may shard a tensor dim
+            # twice if it already was sharded there: drop clashing shards on other dims
+            spec = self.spec(pl, node.meta["val"], what=f"{want[1]} ({tag})")
+            if is_even(spec):
+                rec.spec, rec.provenance = spec, f"{want[1]} ({tag.split(':', 1)[1]})"
+            else:
+                self.warn(f"{want[1]}: {tag} wants {spec}, which does not divide shape "
+                          f"{tuple(node.meta['val'].shape)} evenly; leaving it as {src}")
+                rec.spec, rec.provenance = src, "passthrough (indivisible)"
+        rec.input_specs = (rec.spec,)
+
+    def getitem(self, node):
+        rec = info(node)
+        parent = info(node.args[0]).spec
+        rec.spec = parent[node.args[1]] if isinstance(parent, tuple) else parent
+        rec.provenance = "getitem"
+
+    def op(self, node):
+        rec = info(node)
+        targs = tensor_args(node)
+        cur = [info(a).spec for a in targs]
+        out_val = node.meta.get("val")
+        outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
+        cands = self.candidates(node, cur)
+        if cands == "factory":
+            rec.spec = self.spec([Replicate()] * self.mesh.ndim, out_val)
+            rec.input_specs = ()
+            rec.provenance = "factory: replicated"
+            return
+        best = None
+        if cands:
+            for ins, o in cands:
+                try:
+                    specs = self._specs_for(ins, targs, cur)
+                    out_specs = tuple(self.spec(p, v) if p is not None and isinstance(v, torch.Tensor) else None
+                                      for p, v in zip(o, outs))
+                except ValueError:
+                    continue
+                if specs is None or len(out_specs) != len(outs):
+                    continue
+                if not all(s is None or is_even(s) for s in out_specs):
+                    continue
+                c = sum(self.cost(a, b) for a, b in zip(cur, specs))
+                changed = sum(a.placements != b.placements or a.levels != b.levels for a, b in zip(cur, specs))
+                key = (round(c, 9), changed)
+                if best is None or key < best[0]:
+                    best = (key, specs, out_specs)
+        if best is None:
+            why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
+            self.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
+            rep = tuple(self.spec([Replicate()] * self.mesh.ndim, _val(a)) for a in targs)
+            out_specs = tuple(self.spec([Replicate()] * self.mesh.ndim, v) if isinstance(v, torch.Tensor) else None
+                              for v in outs)
+            best = ((0, 0), rep, out_specs)
+            rec.provenance = "fallback: replicated (no rule)"
+        else:
+            rec.provenance = "rule" if best[0][0] == 0 else f"rule (min redistribution {best[0][0]:.2f} us)"
+        _, specs, out_specs = best
+        rec.input_specs = specs
+        rec.spec = out_specs if isinstance(out_val, (tuple, list)) else out_specs[0]
+        if node.target == strategies.EMBEDDING:
+            w = specs[0]
+            rec.extra["vocab_dims"] = tuple(m for m, p in enumerate(w.placements) if isinstance(p, Shard) and p.dim == 0)
+
+    def _specs_for(self, ins, targs, cur):
+        specs = []
+        for plc, a, c in zip(ins, targs, cur):
+            if plc is None:
+                specs.append(c)
+                continue
+            if any(is_strided_shard(p) or (isinstance(p, Partial) and type(p) is not Partial) for p in plc):
+                return None
+            s = self.spec(plc, _val(a))
+            if not is_even(s):
+                return None
+            specs.append(s)
+        return tuple(specs)
+
+    def candidates(self, node, cur):
+        args = torch.utils._pytree.tree_map(_val, tuple(node.args))
+        kwargs = torch.utils._pytree.tree_map(_val, dict(node.kwargs))
+        placements = [s.placements for s in cur]
+        key = (node.target, _shape_key(args), _shape_key(kwargs), tuple(placements))
+        if key not in self._cand_cache:
+            try:
+                self._cand_cache[key] = strategies.candidates(node.target, args, kwargs, self.rules_mesh, placements)
+            except Exception as e:  # a rule that raises is treated as no rule, loudly
+                log.debug("rule for %s raised %r", node.target, e)
+                self._cand_cache[key] = None
+        return self._cand_cache[key]
+
+    def output(self, node):
+        rec = info(node)
+        outs = node.args[0]
+        flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        specs = []
+        for i, o in enumerate(flat):
+            if not isinstance(o, fx.Node):
+                specs.append(None)
+                continue
+            cur = info(o).spec
+            if self.output_placements is not None and i < len(self.output_placements) \
+                    and self.output_placements[i] is not None:
+                specs.append(self.spec(self.output_placements[i], o.meta["val"], what=f"output_placements[{i}]"))
+            else:  # hand back usable values: finish pending reductions
+                specs.append(self.spec([Replicate() if isinstance(p, Partial) else p for p in cur.placements],
+                                       o.meta["val"]))
+        rec.input_specs = tuple(specs)
+        rec.provenance = "output_placements" if self.output_placements is not None else "outputs (reduced)"
+
+
+def _shape_key(x):
+    leaves, spec = tree_flatten(x)
+    return (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else
+                             (v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v))
+                             for v in leaves))
+
+
+def annotate(gm: fx.GraphModule, mesh: MeshSpec, constraints: PlanConstraints, *, cost_model: CostModel | None = None,
+             input_placements=None, output_placements=None) -> list[str]:
+    """Fill ``node.meta["fxshard"]`` with placements for every node; returns the warnings."""
+    a = Annotator(mesh, cost_model or CostModel(mesh), constraints, input_placements, output_placements)
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if node.op == "placeholder":
+            a.placeholder(node)
+        elif node.op == "output":
+            a.output(node)
+        elif rec.kind == "boundary":
+            a.boundary(node)
+        elif node.target is operator.getitem:
+            a.getitem(node)
+        elif node.op == "call_function":
+            a.op(node)
+        else:
+            raise NotImplementedError(f"fxshard.annotate: node {node.name} ({node.op}) is not supported")
+    return a.warnings

@@ -1,0 +1,80 @@
+"""redistribute: make every placement change an explicit node carrying its plan.
+
+Wherever a consumer needs its input in other placements than the producer gives, one
+``redistribute`` node is inserted between them (shared by every consumer that wants the same
+placements), holding the ``RedistributePlan`` from the min-cost planner.  On global values a
+redistribute is the identity, so the annotated graph still runs on one device.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..cost import CostModel
+from ..planner import plan_between
+from .annotate import tensor_args
+from .capture import info
+
+
+def redistribute(x):
+    """The identity on global values; at lowering it becomes the plan's collectives."""
+    return x
+
+
+def _same(a, b) -> bool:
+    return a.placements == b.placements and a.levels == b.levels
+
+
+def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None) -> int:
+    """Insert redistribute nodes; returns how many were inserted."""
+    count = 0
+    cache: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        rec = info(node)
+        if node.op == "placeholder" or rec.kind == "redistribute":
+            continue
+        if node.op == "output":
+            outs = node.args[0]
+            flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            args = [o for o in flat if isinstance(o, fx.Node)]
+        else:
+            args = tensor_args(node)
+        for arg, want in zip(args, rec.input_specs):
+            if want is None:
+                continue
+            have = info(arg).spec
+            if _same(have, want):
+                continue
+            key = (arg, want.placements, want.levels)
+            if key not in cache:
+                with gm.graph.inserting_before(node):
+                    r = gm.graph.call_function(redistribute, (arg,))
+                r.meta["val"] = arg.meta.get("val")
+                rr = info(r)
+                rr.kind = "redistribute"
+                rr.plan = plan_between(have, want, cost_model)
+                rr.spec = want
+                rr.input_specs = (have,)
+                rr.module = info(node).module
+                rr.source, rr.code = info(node).source, info(node).code
+                rr.provenance = f"planner (for {node.name})"
+                cache[key] = r
+                count += 1
+            if node.op == "output":
+                _replace_output(node, arg, cache[key])
+            else:
+                node.replace_input_with(arg, cache[key])
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def _replace_output(out_node, old, new):
+    def sub(x):
+        return new if x is old else x
+
+    outs = out_node.args[0]
+    if isinstance(outs, (tuple, list)):
+        out_node.args = (type(outs)(sub(o) for o in outs),)
+    else:
+        out_node.args = (sub(outs),)

@@ -1,0 +1,189 @@
+"""User plans -> placement constraints.
+
+A plan maps module FQNs (``*`` matches one path component, as in ``parallelize_module``) to torch
+``ParallelStyle`` objects or Hugging Face ``tp_plan`` strings.  It says three things, all on the
+plan's mesh dim (``tp`` by default; other mesh dims are data parallel):
+
+* parameter placements (Colwise: weight/bias Shard(0), embedding Shard(1); Rowwise: weight Shard(1),
+  bias Replicate, embedding Shard(0); SequenceParallel: Replicate);
+* the placement a module's inputs must have when the module consumes them (``desired_input_layouts``);
+* the placement a module's outputs are handed on in (``output_layouts``).
+
+The graph keeps global semantics, so ``input_layouts`` (how torch would *reinterpret* a local tensor)
+is only used where fxshard decides a placement itself: for graph inputs.  Module boundaries are
+marked in the captured graph by ``fxshard::boundary`` nodes (forward hooks during capture); a
+constraint applies to a boundary node by its tag ``"<module fqn>:in:<i>"`` / ``":out:<i>"``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from .adapter import StridedShard
+from .mesh import MeshSpec
+
+
+@dataclass
+class PlanConstraints:
+    """Placements on the plan's mesh dim (``dim``), with the plan entry that asked for each."""
+
+    dim: int | None
+    params: dict[str, tuple[object, str]] = field(default_factory=dict)  # fqn -> (placement, provenance)
+    boundaries: dict[str, tuple[object, str]] = field(default_factory=dict)  # tag -> (placement, provenance)
+    input_hints: dict[str, object] = field(default_factory=dict)  # "<module>:in:<i>" -> input_layouts
+    hooked: dict[str, tuple[int, int]] = field(default_factory=dict)  # module fqn -> (#inputs, #outputs) to mark
+
+    def tags(self):
+        return set(self.boundaries) | set(self.input_hints)
+
+
+HF_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "sequence_parallel": lambda: SequenceParallel(),
+    "replicate": lambda: "replicate",
+    "packed_colwise": lambda: "packed_colwise",
+}
+
+
+def plan_dim(mesh: MeshSpec, tp_dim: int | str | None) -> int:
+    if tp_dim is not None:
+        return mesh.dim_index(tp_dim)
+    if mesh.ndim == 1:
+        return 0
+    if mesh.names is None:
+        raise ValueError(
+            f"a plan for a {mesh.ndim}-D mesh {mesh.shape} needs named mesh dims (e.g. names=('dp', 'tp')) "
+            f"or tp_dim=<index> to say which mesh dim the plan applies to")
+    if "tp" not in mesh.names:
+        raise ValueError(f"the plan applies to the mesh dim named 'tp', but the mesh dims are {mesh.names}; "
+                         f"pass tp_dim=<name>")
+    return mesh.names.index("tp")
+
+
+def _match(pattern: str, fqn: str) -> bool:
+    a, b = pattern.split("."), fqn.split(".")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(y, x) for x, y in zip(a, b))
+
+
+def resolve_plan(plan: dict | None, model: nn.Module | None, mesh: MeshSpec, tp_dim=None) -> PlanConstraints:
+    if not plan:
+        return PlanConstraints(dim=None)
+    if model is None:
+        raise ValueError("a module plan needs an nn.Module; for a plain callable pass input_placements / "
+                         "output_placements instead")
+    dim = plan_dim(mesh, tp_dim)
+    modules = dict(model.named_modules())
+    out = PlanConstraints(dim=dim)
+    for pattern, style in plan.items():
+        if isinstance(style, str):
+            if style not in HF_STYLES:
+                raise ValueError(f"plan entry {pattern!r}: unknown tp_plan style {style!r}; "
+                                 f"known: {sorted(HF_STYLES)}")
+            style = HF_STYLES[style]()
+        matches = [f for f in modules if f and _match(pattern, f)]
+        if not matches:
+            close = difflib.get_close_matches(pattern, [f for f in modules if f], n=5, cutoff=0.5)
+            raise ValueError(f"plan entry {pattern!r} matches no module of {type(model).__name__}; "
+                             f"closest existing FQNs: {close or sorted(modules)[:8]}")
+        for fqn in matches:
+            _apply_style(out, fqn, modules[fqn], style, f"{pattern}: {_style_name(style)}")
+    return out
+
+
+def _style_name(style) -> str:
+    return style if isinstance(style, str) else type(style).__name__
+
+
+def _params(module: nn.Module):
+    return [(n, p) for n, p in module.named_parameters(recurse=False)]
+
+
+def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: str):
+    def set_param(name, placement):
+        out.params[f"{fqn}.{name}"] = (placement, prov)
+
+    def need(n_in, n_out):
+        a, b = out.hooked.get(fqn, (0, 0))
+        out.hooked[fqn] = (max(a, n_in), max(b, n_out))
+
+    is_linear, is_emb = isinstance(mod, nn.Linear), isinstance(mod, nn.Embedding)
+    if isinstance(style, ColwiseParallel) or style == "packed_colwise":
+        if not (is_linear or is_emb):
+            raise ValueError(f"{prov}: ColwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
+                             f"{type(mod).__name__}")
+        for name, _ in _params(mod):
+            if style == "packed_colwise":
+                set_param(name, StridedShard(0, split_factor=2))
+            else:
+                set_param(name, Shard(1) if is_emb else Shard(0))
+        if style == "packed_colwise":
+            style = ColwiseParallel()
+        need(1, 1)
+        out.boundaries[f"{fqn}:in:0"] = (Replicate(), prov)
+        _hint(out, fqn, 0, style.input_layouts[0])
+        out.boundaries[f"{fqn}:out:0"] = (style.output_layouts[0], prov)
+    elif isinstance(style, RowwiseParallel):
+        if not (is_linear or is_emb):
+            raise ValueError(f"{prov}: RowwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
+                             f"{type(mod).__name__}")
+        for name, _ in _params(mod):
+            if is_emb:
+                set_param(name, Shard(0))
+            else:
+                set_param(name, Shard(1) if name == "weight" else Replicate())
+        need(1, 1)
+        out.boundaries[f"{fqn}:in:0"] = (Replicate() if is_emb else Shard(-1), prov)
+        _hint(out, fqn, 0, style.input_layouts[0])
+        out.boundaries[f"{fqn}:out:0"] = (style.output_layouts[0], prov)
+    elif isinstance(style, SequenceParallel):
+        for name, _ in mod.named_parameters():
+            out.params[f"{fqn}.{name}"] = (Replicate(), prov)
+        need(1, 0)
+        out.boundaries[f"{fqn}:in:0"] = (style.sequence_sharding[0], prov)
+        _hint(out, fqn, 0, style.sequence_sharding[0])
+    elif style == "replicate":
+        for name, _ in mod.named_parameters():
+            out.params[f"{fqn}.{name}"] = (Replicate(), prov)
+    elif isinstance(style, PrepareModuleInputOutput):
+        _apply_style(out, fqn, mod, style.prepare_module_input, prov)
+        _apply_style(out, fqn, mod, style.prepare_module_output, prov)
+    elif isinstance(style, PrepareModuleInput):
+        if style.with_kwargs:
+            raise NotImplementedError(f"{prov}: keyword input layouts are not supported yet")
+        n = len(style.desired_input_layouts)
+        need(n, 0)
+        for i, (given, desired) in enumerate(zip(style.input_layouts, style.desired_input_layouts)):
+            if desired is not None:
+                out.boundaries[f"{fqn}:in:{i}"] = (desired, prov)
+            if given is not None:
+                _hint(out, fqn, i, given)
+    elif isinstance(style, PrepareModuleOutput):
+        n = len(style.desired_output_layouts)
+        need(0, n)
+        for i, desired in enumerate(style.desired_output_layouts):
+            if desired is not None:
+                out.boundaries[f"{fqn}:out:{i}"] = (desired, prov)
+    else:
+        raise ValueError(f"{prov}: unsupported plan style {style!r}")
+
+
+def _hint(out: PlanConstraints, fqn, i, layout):
+    if layout is not None:
+        out.input_hints[f"{fqn}:in:{i}"] = layout

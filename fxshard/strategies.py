@@ -1,0 +1,304 @@
+"""Sharding rules: candidate (input placements, output placements) per ATen op.
+
+The one adapter to DTensor's op sharding rules (``ShardingPropagator``'s single-dim strategies,
+strategy functions, decomposition-based strategies and legacy rules); private DTensor APIs are used
+here and nowhere else.  DTensor's own dispatch returns only the cheapest choice for given input
+placements, and fills its per-mesh-dim templates only with shard types already present on the
+inputs; fxshard wants *every* candidate, so enumeration seeds the templates (always Shard) and calls
+"follow-the-input" strategy functions once per seed placement of the inputs.
+
+On top of DTensor's rules, fxshard's own (``register_rule`` in a later issue):
+* scaled-dot-product attention (DTensor has no rule for the CPU kernels or for the causal form):
+  shard batch or heads, q/k/v/output alike;
+* tensor factories (arange, full, zeros...): replicated;
+* vocab-parallel embedding: DTensor's ``_MaskPartial`` is replaced by plain ``Partial(sum)`` and a
+  masked local lookup at lowering time.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed.tensor._ops  # noqa: F401  (registers all strategies)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._decompositions import DecompShardingStrategy
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _get_num_tensor_inputs,
+    _insert_single_dim_replication_strategy,
+)
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.utils._pytree import tree_flatten, tree_map
+
+_SP = DTensor._op_dispatcher.sharding_propagator
+Plc = tuple[Placement, ...]
+Candidate = tuple[tuple[Plc | None, ...], tuple[Plc | None, ...]]
+
+
+def _spec_schema(op, args, kwargs, mesh, placements) -> OpSchema:
+    it = iter(placements)  # tensors in tree_flatten order of (args, kwargs)
+    conv = lambda x: DTensorSpec(mesh, tuple(next(it)), TensorMeta(x.shape, x.stride(), x.dtype)) \
+        if isinstance(x, torch.Tensor) else x
+    a, k = tree_map(conv, (tuple(args), dict(kwargs)))
+    info = _SP.op_to_schema_info.get(op) or _SP.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, tuple(a), k, schema_info=info)
+
+
+def _enum_placements(t, mesh, current: Plc, with_partial: bool) -> list[Plc]:
+    """Placement tuples to try as an input's placement (current first)."""
+    opts = [Replicate()] + [Shard(d) for d in range(t.ndim)] + ([Partial("sum")] if with_partial else [])
+    opts += [p for p in current if p not in opts]  # keep StridedShard / P(avg) / ... already present
+    out = [tuple(current)]
+    for plc in itertools.product(opts, repeat=mesh.ndim):
+        kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
+        if plc == tuple(current) or (len(kinds) > 1 and {r for _, r in kinds} != {"sum", "avg"}):
+            continue
+        if is_tensor_shardable(t.shape, DTensorSpec(mesh, plc)):
+            out.append(plc)
+    return out
+
+
+def _plc(spec):
+    return None if spec is None else tuple(spec.placements)
+
+
+def _collect(strategy, n_in: int, found: dict) -> None:
+    if isinstance(strategy, TupleStrategy):  # foreach-style; children zipped by index
+        kids = [c for c in strategy.children if isinstance(c, OpStrategy)]
+        for specs in zip(*(c.strategies for c in kids)):
+            ins = specs[0].input_specs
+            found.setdefault((tuple(map(_plc, ins)) if ins else (None,) * n_in,
+                              tuple(_plc(s.output_specs if isinstance(s.output_specs, DTensorSpec)
+                                         else s.output_specs[0]) for s in specs)), None)
+        return
+    for s in strategy.strategies:
+        outs = s.output_specs
+        o = () if outs is None else (_plc(outs),) if isinstance(outs, DTensorSpec) else tuple(map(_plc, outs))
+        if s.input_specs is None:  # DTensor semantics: every tensor input takes the output placement
+            i = (o[0],) * n_in
+        else:
+            i = tuple(map(_plc, s.input_specs))
+            i += (None,) * (n_in - len(i))
+        found.setdefault((i, o), None)
+
+
+def _single_dim(op, info, spec_schema):
+    out_meta = _SP._propagate_tensor_meta_non_cached(spec_schema)
+    schema = _SP._wrap_with_op_strategy(spec_schema)
+    rules = [list(r) for r in info.func(op, schema.args_meta, schema.kwargs_meta)]
+    n_in = _get_num_tensor_inputs(schema)
+    n_out = len(rules[0]) - n_in if rules else (
+        0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta))
+    rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
+    # DTensor fills _ShardingPlaceholder only with shard types present on the inputs, so
+    # all-Replicate inputs would yield no sharded candidate: always seed Shard.
+    seen = {p for x in tree_flatten((spec_schema.args_schema, spec_schema.kwargs_schema))[0]
+            if isinstance(x, DTensorSpec) for p in x.placements} | {Shard(0)}
+    return expand_to_full_mesh_op_strategy(
+        schema.get_mesh_from_args(validate=False), schema,
+        _fill_single_dim_strategy_placeholders(seen, rules), output_tensor_meta=out_meta,
+        inplace_op=op.name().split("::")[1].split(".")[0].endswith("_"), input_index=n_out,
+        allow_unbacked_sharding=info.allow_unbacked_sharding,
+        allow_uneven_sharding=info.allow_uneven_sharding)
+
+
+def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
+    """DecompShardingStrategy.propagate_strategy with a seeded (input-independent) candidate set."""
+    ds = _SP.decomp_strategy
+    ds.ensure_schema_info(op)
+    leaves = tree_flatten(list(spec_schema.args_schema) + list(spec_schema.kwargs_schema.values()))[0]
+    shared = {Replicate()} | {p for c in input_placements for p in c} | ({Partial("sum")} if with_partial else set())
+
+    def options(spec, full):  # one list per leaf (None for non-tensor leaves), like DTensor
+        if not isinstance(spec, DTensorSpec):
+            return [None]
+        o = {p for p in shared if not isinstance(p, (Shard, _StridedShard))} if full else {Replicate()}
+        o |= {Shard(d) for d in range(spec.ndim)}
+        o |= {_StridedShard(d, split_factor=p.split_factor) for p in shared
+              if isinstance(p, _StridedShard) for d in range(spec.ndim)}
+        return sorted(o, key=repr)
+
+    per_leaf = [options(s, True) for s in leaves]
+    if max_cands and torch.Size([len(o) for o in per_leaf]).numel() > max_cands:
+        per_leaf = [options(s, False) for s in leaves]
+    rules, n_out = [], None
+    for cand in itertools.product(*per_leaf):
+        try:
+            res = ds._propagate_through_decomp(spec_schema, cand, ds._get_fake_mesh(mesh.device_type))
+        except NotImplementedError:
+            return None  # a decomposed op has no strategy (e.g. factory aten.ones): DTensor fails too
+        except Exception:
+            continue  # would need redistribution inside the decomposition
+        res = list(res) if isinstance(res, tuple) else [res]
+        n_out = len(res) if n_out is None else n_out
+        if len(res) == n_out:
+            rules.append(res + [p for p in cand if p is not None])
+    return expand_to_full_mesh_op_strategy(mesh, _SP._wrap_with_op_strategy(spec_schema), rules,
+                                           input_index=n_out) if rules else None
+
+
+def dtensor_candidates(op, args, kwargs, device_mesh, input_placements, *,
+                         include_partial_inputs: bool = True, max_decomp_candidates: int = 256,
+                         drop_strided_shard: bool = False) -> list[Candidate] | None:
+    """All DTensor candidates (per-tensor-input placements, per-tensor-output placements).
+    Tensors are counted in tree_flatten order of (args, kwargs) (lists flattened, None skipped).
+    Output entries: one per returned tensor (None = not a DTensor output, e.g. philox seed);
+    List[Tensor] outputs give one entry per element. None => DTensor has no rule."""
+    tensors = [x for x in tree_flatten((tuple(args), dict(kwargs or {})))[0] if isinstance(x, torch.Tensor)]
+    cur = [tuple(p) for p in input_placements]
+    assert len(tensors) == len(cur), (len(tensors), len(cur))
+    kwargs, n_in, found = dict(kwargs or {}), len(tensors), {}
+    single, strat_fn = _SP.op_single_dim_strategy_funcs.get(op), _SP.op_strategy_funcs.get(op)
+    has_decomp, rule = DecompShardingStrategy.has_decomp(op), _SP.op_to_rules.get(op)
+    if n_in == 0 or not (single or strat_fn or has_decomp or rule):
+        return None  # e.g. factory ops (arange/full/zeros): DTensor never sees them
+    spec_schema = _spec_schema(op, args, kwargs, device_mesh, cur)
+
+    if single is not None:  # preferred by DTensor when an op has both (mm, addmm, bmm, clone, conv)
+        try:
+            _collect(_single_dim(op, single, spec_schema), n_in, found)
+        except Exception:
+            pass
+    elif strat_fn is not None:
+        # "follow-the-input" strategy funcs (view, reductions, slice, cat, softmax...) return one
+        # OpSpec per input OpSpec -> call once per seed input placement. Funcs returning >1 spec
+        # for the first seed already enumerate everything (expand_to_full_mesh style) -> stop.
+        first = tensors[0]
+        seeds = [cur]
+        for plc in _enum_placements(first, device_mesh, cur[0], include_partial_inputs)[1:]:
+            seeds.append([plc if t.ndim == first.ndim and is_tensor_shardable(
+                t.shape, DTensorSpec(device_mesh, plc)) else c for t, c in zip(tensors, cur)])
+        for j, t in enumerate(tensors[1:], 1):  # other-rank inputs varied one at a time
+            if t.ndim != first.ndim:
+                for plc in _enum_placements(t, device_mesh, cur[j], include_partial_inputs)[1:]:
+                    seeds.append(cur[:j] + [plc] + cur[j + 1:])
+        for k, seed in enumerate(seeds):
+            before = len(found)
+            try:
+                _collect(strat_fn(_SP._wrap_with_op_strategy(
+                    _spec_schema(op, args, kwargs, device_mesh, seed))), n_in, found)
+            except Exception:
+                pass  # strategy raises for this input placement (strict view on uneven dim, expand)
+            if k == 0 and len(found) - before > 1:
+                break
+    else:
+        st = None
+        if has_decomp:
+            try:
+                st = _decomp(op, spec_schema, device_mesh, cur, include_partial_inputs, max_decomp_candidates)
+            except Exception:
+                st = None
+        if st is not None:
+            _collect(st, n_in, found)
+        elif rule is not None:  # legacy OutputSharding rule: one answer for the given placements
+            try:
+                res, in_schema = rule(spec_schema), spec_schema
+                if res.output_spec is None and res.redistribute_schema is not None:
+                    in_schema = res.redistribute_schema
+                    res = rule(in_schema)
+                if res.output_spec is not None:
+                    o = res.output_spec
+                    i = tuple(map(_plc, in_schema.args_spec))
+                    found[(i + (None,) * (n_in - len(i)),
+                           (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)))] = None
+            except Exception:
+                pass
+        else:
+            return None
+    res = list(found)
+    if drop_strided_shard:
+        res = [c for c in res if not any(isinstance(p, _StridedShard)
+                                         for side in c for plc in side if plc for p in plc)]
+    return res
+
+
+
+# ---- fxshard's own rules ---------------------------------------------------------------------------
+
+aten = torch.ops.aten
+SDPA_OPS = {aten.scaled_dot_product_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default}
+FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+               aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
+               aten.rand.default, aten.randn.default}
+EMBEDDING = aten.embedding.default
+
+
+def _sdpa_candidates(op, args, kwargs, mesh, input_placements):
+    """q, k, v (and a mask) sharded alike on batch (dim 0) or heads (dim 1), per mesh dim; a mask of
+    size 1 on that dim is replicated instead.  Outputs follow q."""
+    tensors = [x for x in tree_flatten((tuple(args), dict(kwargs)))[0] if isinstance(x, torch.Tensor)]
+    q = tensors[0]
+    n_out = 1 if op == aten.scaled_dot_product_attention.default else 2
+    per_dim = []
+    for _m in range(mesh.ndim):
+        opts = [Replicate(), Shard(0), Shard(1)]
+        per_dim.append(opts)
+    out = []
+    for combo in itertools.product(*per_dim):
+        ins = []
+        for t in tensors:
+            plc = tuple(p if not isinstance(p, Shard) or (t.ndim == q.ndim and t.shape[p.dim] == q.shape[p.dim])
+                        else Replicate() for p in combo)
+            ins.append(plc)
+        # k/v must be sharded exactly like q on batch/heads (GQA without expansion is not covered)
+        if any(ins[i] != tuple(combo) for i in range(min(3, len(ins)))):
+            continue
+        outs = [tuple(combo)]
+        if n_out == 2:  # logsumexp (b, h, s): same batch/head sharding
+            outs.append(tuple(combo))
+        out.append((tuple(ins), tuple(outs)))
+    return out
+
+
+def _embedding_candidates(op, args, kwargs, mesh, input_placements):
+    """DTensor's candidates without _MaskPartial, plus vocab-parallel lookups: weight Shard(0) on a
+    mesh dim, indices replicated there, output Partial(sum) (lowered as a masked local lookup)."""
+    base = dtensor_candidates(op, args, kwargs, mesh, input_placements) or []
+    keep = [c for c in base if not any(type(p).__name__ == "_MaskPartial"
+                                        for side in c for plc in side if plc for p in plc)]
+    per_dim = []
+    weight = args[0]
+    for _m in range(mesh.ndim):
+        per_dim.append([("R", Replicate(), Replicate(), Replicate()),
+                        ("vocab", Shard(0), Replicate(), Partial("sum")),
+                        ("batch", Replicate(), Shard(0), Shard(0))])
+    for combo in itertools.product(*per_dim):
+        if all(c[0] != "vocab" for c in combo):
+            continue
+        w = tuple(c[1] for c in combo)
+        idx = tuple(c[2] for c in combo)
+        o = tuple(c[3] for c in combo)
+        if weight.shape[0] < 1:
+            continue
+        keep.append(((w, idx), (o,)))
+    return keep
+
+
+def candidates(op, args, kwargs, device_mesh, input_placements):
+    """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
+    placements; ``None`` when no rule exists."""
+    if op in FACTORY_OPS:
+        return "factory"
+    if op in SDPA_OPS:
+        return _sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op == EMBEDDING:
+        return _embedding_candidates(op, args, kwargs, device_mesh, input_placements)
+    return dtensor_candidates(op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True)
+
+
+def rules_mesh(shape):
+    """A DeviceMesh of ``shape`` with no process group: strategy functions never communicate."""
+    from .adapter import torch_planning_mesh
+
+    key = tuple(shape)
+    if key not in _MESHES:
+        _MESHES[key] = torch_planning_mesh(key)
+    return _MESHES[key]
+
+
+_MESHES: dict = {}
