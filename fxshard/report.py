@@ -46,8 +46,8 @@ def explain(prog) -> str:
         k[1] += c.bytes
         k[2] += c.cost
     lines.append("")
-    lines.append("collectives: " + (", ".join(f"{k} x{v[0]} ({v[1]} B, {v[2]:.1f} us)" for k, v in sorted(kinds.items()))
-                                    or "none"))
+    summary = ", ".join(f"{k} x{v[0]} ({v[1]} B, {v[2]:.1f} us)" for k, v in sorted(kinds.items()))
+    lines.append("collectives: " + (summary or "none"))
     for w in prog.warnings:
         lines.append(f"fallback: {w}")
     return "\n".join(lines)

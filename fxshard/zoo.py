@@ -263,7 +263,7 @@ def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
     """Deterministic, well-scaled weights (norm weights randomised too, so sharding bugs show)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
             else:

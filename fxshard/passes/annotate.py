@@ -215,8 +215,8 @@ class Annotator:
             why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
             self.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
             rep = tuple(self.spec([Replicate()] * self.mesh.ndim, _val(a)) for a in targs)
-            out_specs = tuple(self.spec([Replicate()] * self.mesh.ndim, v) if isinstance(v, torch.Tensor) else None
-                              for v in outs)
+            out_specs = tuple(self.spec([Replicate()] * self.mesh.ndim, v) if isinstance(v, torch.Tensor)
+                              else None for v in outs)
             best = ((0, 0), rep, out_specs)
             rec.provenance = "fallback: replicated (no rule)"
         else:
@@ -226,7 +226,8 @@ class Annotator:
         rec.spec = out_specs if isinstance(out_val, (tuple, list)) else out_specs[0]
         if node.target == strategies.EMBEDDING:
             w = specs[0]
-            rec.extra["vocab_dims"] = tuple(m for m, p in enumerate(w.placements) if isinstance(p, Shard) and p.dim == 0)
+            rec.extra["vocab_dims"] = tuple(m for m, p in enumerate(w.placements)
+                                            if isinstance(p, Shard) and p.dim == 0)
 
     def _specs_for(self, ins, targs, cur):
         specs = []
