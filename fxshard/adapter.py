@@ -137,3 +137,10 @@ def torch_score(src_spec, steps) -> float:
         total += one_step_redistribute_cost(cur, nxt)
         cur = nxt
     return total
+
+
+def record_frames_of(fn) -> None:
+    """Make export keep ``fn``'s frames in node stack traces (it keeps only ``forward`` frames)."""
+    from torch.fx.proxy import _register_stack_trace_anchor
+
+    _register_stack_trace_anchor(fn)

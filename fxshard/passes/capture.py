@@ -17,6 +17,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..adapter import record_frames_of
+
 PARAM, BUFFER, CONSTANT, INPUT = "param", "buffer", "constant", "input"
 
 
@@ -56,6 +58,7 @@ class _FnModule(nn.Module):
     def __init__(self, fn):
         super().__init__()
         self.fn = fn
+        record_frames_of(fn)
 
     def forward(self, *args):
         return self.fn(*args)
@@ -108,6 +111,7 @@ def _decomposition_table():
     return table
 
 
+_THIS_FILE = "fxshard/passes/capture.py"
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -118,7 +122,7 @@ def _source(stack_trace: str | None) -> tuple[str, str]:
     lines = stack_trace.strip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME.search(lines[i])
-        if m and "torch/nn/modules" not in m.group(1):
+        if m and "/torch/" not in m.group(1) and not m.group(1).endswith(_THIS_FILE):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}", code
     return "", ""
