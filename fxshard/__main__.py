@@ -49,13 +49,52 @@ def demo_planner() -> None:
         print()
 
 
+def demo_llama() -> None:
+    """A 2-layer Llama-style model on a simulated 2x4 dp x tp mesh with torchtitan's sequence-parallel
+    plan: the plan, the collectives, and the simulated result against single device."""
+    import time
+
+    import torch
+
+    import fxshard
+    from fxshard import zoo
+
+    torch.manual_seed(0)
+    model = zoo.init_weights(zoo.Llama(zoo.LlamaConfig()))
+    tokens = zoo.example_input(model, batch=4, seq=16)
+    mesh = fxshard.MeshSpec((2, 4), names=("dp", "tp"))
+    t0 = time.perf_counter()
+    prog = fxshard.shard(model, mesh, zoo.sequence_parallel_plan(), example_inputs=tokens)
+    t1 = time.perf_counter()
+    print(f"Llama-style model (2 layers, dim 64) on mesh {mesh.shape} {mesh.names}, sequence-parallel plan "
+          f"(sharded in {t1 - t0:.1f} s)\n")
+    print(prog.explain())
+    print("\ncollectives (per rank):")
+    for c in prog.collectives():
+        print(f"  {c.kind:15s} mesh dims {c.mesh_dims}  {c.bytes:7d} B  {c.cost:6.2f} us  {c.transition:12s} "
+              f"{c.provenance}")
+    with torch.no_grad():
+        ref = model(*tokens)
+    t2 = time.perf_counter()
+    out = prog.simulate(*tokens)
+    t3 = time.perf_counter()
+    err = (out - ref).abs().max().item()
+    ok = torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    print(f"\nsimulated 8 ranks in {t3 - t2:.2f} s: max |sharded - single device| = {err:.2e} "
+          f"-> {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        raise SystemExit(1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fxshard")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="the main demo")
     sub.add_parser("plan-demo", help="redistribution plans next to torch's")
     args = ap.parse_args(argv)
-    if args.cmd in ("demo", "plan-demo"):
+    if args.cmd == "demo":
+        demo_llama()
+    elif args.cmd == "plan-demo":
         demo_planner()
     return 0
 

@@ -65,10 +65,10 @@ class ShardedProgram:
                                       f"{placements_str((step.src,))}->{placements_str((step.dst,))}"))
         return out
 
-    def explain(self) -> str:
+    def explain(self, verbose: bool = False) -> str:
         from .report import explain
 
-        return explain(self)
+        return explain(self, verbose=verbose)
 
     # ---- running ----------------------------------------------------------------------------------
     def placeholder_values(self, inputs) -> list:

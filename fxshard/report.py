@@ -14,11 +14,17 @@ def _pl(spec) -> str:
     return placements_str(spec.placements, spec.levels)
 
 
-def explain(prog) -> str:
+def explain(prog, verbose: bool = False) -> str:
+    """One row per node that matters: parameters and inputs, constrained module boundaries, every
+    redistribute with its collectives and cost, and fallbacks (``verbose=True``: every node)."""
     rows = []
     for n in prog.graph.graph.nodes:
         rec = info(n)
         if n.op == "output":
+            continue
+        if not verbose and rec.kind not in ("redistribute", "param", "buffer", "constant", "input") \
+                and not rec.provenance.startswith(("fallback", "factory")) \
+                and not (rec.kind == "boundary" and rec.provenance != "passthrough"):
             continue
         if rec.kind == "redistribute":
             plan = rec.plan

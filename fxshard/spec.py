@@ -159,6 +159,18 @@ class ShardingSpec:
     @classmethod
     def make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
              what: str = "sharding") -> ShardingSpec:
+        """Validated spec; ``what`` names the value in error messages.  Memoised: annotation asks for
+        the same (placements, shape) pairs thousands of times."""
+        try:
+            key_order = None if shard_order is None else (
+                tuple(sorted(shard_order.items())) if isinstance(shard_order, dict) else tuple(shard_order))
+            return _make_cached(mesh, tuple(placements), tuple(shape), dtype, key_order, what)
+        except TypeError:  # unhashable input (e.g. lists inside): build uncached
+            return cls._make(mesh, placements, shape, dtype, shard_order, what)
+
+    @classmethod
+    def _make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
+              what: str = "sharding") -> ShardingSpec:
         shape = tuple(int(s) for s in shape)
         placements = _check_placements(mesh, placements, len(shape), what)
         order = _normalize_order(shard_order, placements, len(shape), what)
@@ -225,6 +237,11 @@ class ShardingSpec:
 
     def __str__(self) -> str:
         return placements_str(self.placements, self.levels)
+
+
+@lru_cache(maxsize=1 << 16)
+def _make_cached(mesh, placements, shape, dtype, shard_order, what):
+    return ShardingSpec._make(mesh, placements, shape, dtype, shard_order, what)
 
 
 def placements_str(placements, levels: Levels | None = None) -> str:

@@ -77,6 +77,7 @@ class Annotator:
         self.rules_mesh = strategies.rules_mesh(mesh.shape)
         self.warnings: list[str] = []
         self._cand_cache: dict = {}
+        self._decisions: dict = {}
 
     # ---- helpers ----------------------------------------------------------------------------------
     def spec(self, placements, val: torch.Tensor, order=None, what="") -> ShardingSpec:
@@ -187,12 +188,28 @@ class Annotator:
         cur = [info(a).spec for a in targs]
         out_val = node.meta.get("val")
         outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
+        # Repeated layers ask the same question: same op, shapes, arguments and input placements.
+        args = torch.utils._pytree.tree_map(_val, tuple(node.args))
+        kwargs = torch.utils._pytree.tree_map(_val, dict(node.kwargs))
+        key = (node.target, _shape_key(args), _shape_key(kwargs), tuple(cur))
+        hit = self._decisions.get(key)
+        if hit is not None:
+            rec.input_specs, rec.spec, rec.provenance, vocab, why = hit
+            if vocab is not None:
+                rec.extra["vocab_dims"] = vocab
+            if why:
+                self.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
+            return
+        why = self._decide(node, rec, targs, cur, outs, out_val)
+        self._decisions[key] = (rec.input_specs, rec.spec, rec.provenance, rec.extra.get("vocab_dims"), why)
+
+    def _decide(self, node, rec, targs, cur, outs, out_val):
         cands = self.candidates(node, cur)
         if cands == "factory":
             rec.spec = self.spec([Replicate()] * self.mesh.ndim, out_val)
             rec.input_specs = ()
             rec.provenance = "factory: replicated"
-            return
+            return None
         best = None
         if cands:
             for ins, o in cands:
@@ -211,6 +228,7 @@ class Annotator:
                 key = (round(c, 9), changed)
                 if best is None or key < best[0]:
                     best = (key, specs, out_specs)
+        why = None
         if best is None:
             why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
             self.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
@@ -228,6 +246,7 @@ class Annotator:
             w = specs[0]
             rec.extra["vocab_dims"] = tuple(m for m, p in enumerate(w.placements)
                                             if isinstance(p, Shard) and p.dim == 0)
+        return why
 
     def _specs_for(self, ins, targs, cur):
         specs = []

@@ -66,7 +66,12 @@ class RedistributePlan:
 
 
 def clear_plan_cache() -> None:
+    """Forget every memoised plan, spec and layout (for honest uncached timings)."""
+    from ..spec import _make_cached, level_positions
+
     _plan_cached.cache_clear()
+    _make_cached.cache_clear()
+    level_positions.cache_clear()
 
 
 def plan_redistribute(
