@@ -18,8 +18,28 @@ from torch.distributed.tensor.placement_types import (  # noqa: F401  (re-export
 StridedShard = _StridedShard
 
 
+_KINDS = {Shard: "S", Replicate: "R", Partial: "P", _StridedShard: "SS"}
+
+
+def placement_kind(p) -> str | None:
+    """"S", "SS" (strided), "R", "P" or None.  Exact-type lookup first: isinstance on torch's
+    placements goes through a slow metaclass hook, and planning asks this millions of times."""
+    k = _KINDS.get(type(p))
+    if k is not None:
+        return k
+    if isinstance(p, _StridedShard):
+        return "SS"
+    if isinstance(p, Shard):
+        return "S"
+    if isinstance(p, Partial):
+        return "P"
+    if isinstance(p, Replicate):
+        return "R"
+    return None
+
+
 def is_strided_shard(p) -> bool:
-    return isinstance(p, _StridedShard)
+    return placement_kind(p) == "SS"
 
 
 def strided_split_factor(p) -> int:

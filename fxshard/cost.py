@@ -73,6 +73,16 @@ class CostModel:
             out[kind] = (tuple(lats), tuple(facs))
         return out
 
+    @cached_property
+    def planner_tables(self) -> tuple[dict, dict]:
+        """({(kind, mesh_dim): latency}, {(kind, mesh_dim): µs per byte})."""
+        lat, fac = {}, {}
+        for kind, (lats, facs) in self.per_dim.items():
+            for m in range(self.mesh.ndim):
+                lat[kind, m] = lats[m]
+                fac[kind, m] = facs[m]
+        return lat, fac
+
     # The two halves are exposed separately: the planner precomputes them per mesh dim.
     def latency(self, kind: str, k: int, lat: float) -> float:
         hops = 2 * (k - 1) if kind == ALL_REDUCE else k - 1

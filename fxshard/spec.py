@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from .adapter import Partial, Replicate, Shard, is_strided_shard, strided_split_factor
+from .adapter import Partial, Replicate, Shard, is_strided_shard, placement_kind, strided_split_factor
 from .mesh import MeshSpec
 
 Level = tuple[int, int]  # (mesh_dim, split_factor)
@@ -75,13 +75,14 @@ def max_local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int])
 
 
 def placement_str(p) -> str:
-    if is_strided_shard(p):
+    k = placement_kind(p)
+    if k == "SS":
         return f"_S({p.dim},{strided_split_factor(p)})"
-    if isinstance(p, Shard):
+    if k == "S":
         return f"S({p.dim})"
-    if isinstance(p, Replicate):
+    if k == "R":
         return "R"
-    if isinstance(p, Partial):
+    if k == "P":
         return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
     return repr(p)
 
@@ -93,34 +94,35 @@ def _check_placements(mesh: MeshSpec, placements, ndim: int, what: str) -> tuple
             f"{what}: {len(placements)} placements {tuple(placement_str(p) for p in placements)} for a "
             f"{mesh.ndim}-D mesh {mesh.shape}; give exactly one placement per mesh dim")
     kinds = set()
+    normalized = []
     for i, p in enumerate(placements):
-        if _is_shard_like(p):
+        k = placement_kind(p)
+        if k in ("S", "SS"):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(
                     f"{what}: {placement_str(p)} on mesh dim {i} shards tensor dim {p.dim}, "
                     f"out of range for a {ndim}-D tensor")
-            if is_strided_shard(p) and strided_split_factor(p) < 1:
+            if k == "SS" and strided_split_factor(p) < 1:
                 raise ValueError(f"{what}: {placement_str(p)} on mesh dim {i} has split factor < 1")
-        elif isinstance(p, Partial):
+            if p.dim < 0:  # normalise negative shard dims so equal shardings compare equal
+                p = type(p)(p.dim % ndim, split_factor=strided_split_factor(p)) if k == "SS" else Shard(p.dim % ndim)
+        elif k == "P":
             kinds.add(p.reduce_op)
-        elif not isinstance(p, Replicate):
+        elif k != "R":
             raise ValueError(
                 f"{what}: unknown placement {p!r} on mesh dim {i}; expected Replicate(), Shard(d), "
                 f"Partial(op) or _StridedShard(d, sf)")
+        normalized.append(p)
     if len(kinds) > 1:
         raise ValueError(f"{what}: mixed Partial kinds {sorted(kinds)} in one placement; use one reduce op")
     for op in kinds:
         if op not in ("sum", "avg", "max", "min"):
             raise ValueError(f"{what}: Partial({op!r}) is not supported; use sum, avg, max or min")
-    # Normalise negative shard dims so equal shardings compare equal.
-    return tuple(
-        (type(p)(p.dim % ndim, split_factor=strided_split_factor(p)) if is_strided_shard(p)
-         else Shard(p.dim % ndim)) if _is_shard_like(p) else p
-        for p in placements)
+    return tuple(normalized)
 
 
 def _is_shard_like(p) -> bool:
-    return isinstance(p, Shard) or is_strided_shard(p)
+    return placement_kind(p) in ("S", "SS")
 
 
 def _normalize_order(shard_order, placements, ndim: int, what: str) -> dict[int, tuple[int, ...]]:
@@ -182,13 +184,13 @@ class ShardingSpec:
                 lv.append((m, strided_split_factor(p) if is_strided_shard(p) else 1))
             levels.append(tuple(lv))
         levels = canonical_levels(tuple(levels), shape, mesh.shape)
-        partial = {m: p.reduce_op for m, p in enumerate(placements) if isinstance(p, Partial)}
+        partial = {m: p.reduce_op for m, p in enumerate(placements) if placement_kind(p) == "P"}
         return cls(mesh, levels_to_placements(levels, partial, mesh.ndim), shape, dtype, levels)
 
     @property
     def partial_op(self) -> str | None:
         for p in self.placements:
-            if isinstance(p, Partial):
+            if placement_kind(p) == "P":
                 return p.reduce_op
         return None
 

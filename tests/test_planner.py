@@ -227,3 +227,27 @@ def test_plan_api_shape():
     assert [s.collective for s in p.steps].count("reduce_scatter") == 1
     assert p.cost == pytest.approx(sum(s.cost for s in p.steps))
     assert all(isinstance(s.mesh_dims, tuple) for s in p.steps)
+
+
+@SETTINGS
+@given(problems(max_mesh_ndim=3))
+def test_even_only_plans_stay_even(prob):
+    from fxshard.passes.annotate import is_even
+
+    mesh, _, (a, oa), (b, ob), _ = prob
+    shape = tuple(24 for _ in range(max(p.dim for p in (*a, *b) if isinstance(p, Shard)) + 1)) \
+        if any(isinstance(p, Shard) for p in (*a, *b)) else (24,)
+    try:
+        src = ShardingSpec.make(mesh, a, shape, shard_order=oa)
+        dst = ShardingSpec.make(mesh, b, shape, shard_order=ob)
+    except ValueError:
+        return
+    if not (is_even(src) and is_even(dst)):
+        return
+    plan = fxshard.plan_redistribute(mesh, a, b, shape, src_order=oa, dst_order=ob, even_only=True)
+    free = fxshard.plan_redistribute(mesh, a, b, shape, src_order=oa, dst_order=ob)
+    assert plan.cost >= free.cost - 1e-9
+    for lv, part in zip(plan.levels, plan.partials):
+        spec = ShardingSpec.make(mesh, fxshard.spec.levels_to_placements(lv, part, mesh.ndim), shape,
+                                 shard_order={d: tuple(m for m, _ in st) for d, st in enumerate(lv) if st})
+        assert is_even(spec), str(plan)

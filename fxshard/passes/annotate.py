@@ -91,7 +91,7 @@ class Annotator:
     def cost(self, src: ShardingSpec, dst: ShardingSpec) -> float:
         if src.levels == dst.levels and src.placements == dst.placements:
             return 0.0
-        return plan_between(src, dst, self.cm).cost
+        return plan_between(src, dst, self.cm, even_only=True).cost
 
     def dp_default(self, val) -> list:
         """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh dim."""

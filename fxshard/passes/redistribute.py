@@ -52,7 +52,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 r.meta["val"] = arg.meta.get("val")
                 rr = info(r)
                 rr.kind = "redistribute"
-                rr.plan = plan_between(have, want, cost_model)
+                rr.plan = plan_between(have, want, cost_model, even_only=True)
                 rr.spec = want
                 rr.input_specs = (have,)
                 rr.module = info(node).module

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 import torch
 
+from ..adapter import Partial, Replicate, Shard, StridedShard, placement_kind
 from ..cost import CostModel
 from ..mesh import MeshSpec
 from ..spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
@@ -85,11 +86,14 @@ def plan_redistribute(
     dst_order=None,
     cost_model: CostModel | None = None,
     cache: bool = True,
+    even_only: bool = False,
 ) -> RedistributePlan:
     """The cheapest sequence of collectives taking a tensor from ``src`` to ``dst`` placements.
 
     ``mesh`` is a ``MeshSpec`` or ``DeviceMesh``; ``src_order`` / ``dst_order`` give non-default
     shard orders as ``{tensor_dim: (mesh_dim, ...)}`` or ``ShardOrderEntry`` tuples.
+    ``even_only=True`` keeps every intermediate state evenly sharded (needed to trace the plan into
+    one rank-agnostic graph); src and dst must then be even too.
     """
     mesh = MeshSpec.from_device_mesh(mesh)
     shape = tuple(int(s) for s in shape)
@@ -98,46 +102,57 @@ def plan_redistribute(
     cm = cost_model or CostModel(mesh)
     if cm.mesh.shape != mesh.shape:
         raise ValueError(f"cost model is for mesh {cm.mesh.shape}, plan is on mesh {mesh.shape}")
-    return (_plan_cached if cache else _plan)(s, d, cm)
+    return (_plan_cached if cache else _plan)(s, d, cm, even_only)
 
 
 def plan_between(src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | None = None,
-                 cache: bool = True) -> RedistributePlan:
+                 cache: bool = True, even_only: bool = False) -> RedistributePlan:
     """Plan between two ``ShardingSpec``s of the same value."""
     if src.mesh.shape != dst.mesh.shape or src.shape != dst.shape:
         raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {dst.mesh}/{dst.shape}")
     cm = cost_model or CostModel(src.mesh)
-    return (_plan_cached if cache else _plan)(src, dst, cm)
+    return (_plan_cached if cache else _plan)(src, dst, cm, even_only)
 
 
 @lru_cache(maxsize=16384)
-def _plan_cached(src: ShardingSpec, dst: ShardingSpec, cm: CostModel) -> RedistributePlan:
-    return _plan(src, dst, cm)
+def _plan_cached(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool) -> RedistributePlan:
+    return _plan(src, dst, cm, even_only)
 
 
 def _partials(spec: ShardingSpec) -> dict[int, str]:
-    from ..adapter import Partial
-
-    return {m: p.reduce_op for m, p in enumerate(spec.placements) if isinstance(p, Partial)}
+    return {m: p.reduce_op for m, p in enumerate(spec.placements) if placement_kind(p) == "P"}
 
 
-def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel) -> RedistributePlan:
+def _moved_placement(levels, part, m):
+    """Placement of mesh dim ``m`` in a state (without building the whole placements tuple)."""
+    if m in part:
+        return Partial(part[m])
+    for d, st in enumerate(levels):
+        for mm, sf in st:
+            if mm == m:
+                return StridedShard(d, split_factor=sf) if sf != 1 else Shard(d)
+    return Replicate()
+
+
+def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False) -> RedistributePlan:
     mesh = src.mesh
     sp, dp = _partials(src), _partials(dst)
+    if src.levels == dst.levels and sp == dp:
+        return RedistributePlan(src, dst, (), (src.levels,), (sp,), 0.0)
     problem = Problem(cm, mesh.shape, src.levels, dst.levels, tuple(sp), tuple(dp),
-                      src.partial_op, dst.partial_op, src.nbytes)
+                      src.partial_op, dst.partial_op, src.nbytes, src.shape, even_only)
     total, moves, states = solve(problem)
     steps, levels, partials = [], [src.levels], [dict(sp)]
     part = dict(sp)
     for (move, c), (stacks, _pa, _pb), prev in zip(moves, states[1:], states[:-1]):
         m = move.mesh_dim
-        before = levels_to_placements(prev[0], part, mesh.ndim)[m]
+        before = _moved_placement(prev[0], part, m)
         part = dict(part)
         if move.kind in (AR, RS):
             part.pop(m)
         elif move.kind == MAKE_PARTIAL:
             part[m] = dst.partial_op
-        after = levels_to_placements(stacks, part, mesh.ndim)[m]
+        after = _moved_placement(stacks, part, m)
         steps.append(Step((m,), before, after, _COLLECTIVE[move.kind], c, move))
         levels.append(stacks)
         partials.append(part)

@@ -49,10 +49,14 @@ class Problem:
     """Everything the search needs, precomputed once per plan."""
 
     def __init__(self, cost_model, mesh_shape, src_levels, dst_levels, src_partial, dst_partial,
-                 src_op, dst_op, global_bytes):
+                 src_op, dst_op, global_bytes, shape=None, even_only=False):
         self.k = mesh_shape
         self.M = len(mesh_shape)
         self.T = len(src_levels)
+        # even_only: never pass through a state whose shards are uneven (traced, rank-agnostic
+        # programs need every rank to have the same local shape at every step)
+        self.shape = shape
+        self.even_only = even_only
         self.src_levels = src_levels
         self.dst_levels = dst_levels
         self.g = float(global_bytes)
@@ -65,12 +69,7 @@ class Problem:
         self.start_pa, self.start_pb = (0, smask) if same_op else (smask, 0)
         both_linear = src_op in LINEAR_OPS + (None,) and dst_op in LINEAR_OPS + (None,)
         self.mix_ok = same_op or both_linear
-        self.lat = {}
-        self.fac = {}
-        for kind, (lats, facs) in cost_model.per_dim.items():
-            for m in range(self.M):
-                self.lat[kind, m] = lats[m]
-                self.fac[kind, m] = facs[m]
+        self.lat, self.fac = cost_model.planner_tables
         # dst location of each mesh dim
         self.dst_where = {}
         for d, lv in enumerate(dst_levels):
@@ -194,6 +193,16 @@ def solve(problem: Problem):
     M, T = P.M, P.T
     dst_pmask = P.dst_pmask
     lb, targets = P.lb, P.targets
+    even_only, shape = P.even_only, P.shape
+
+    def fits(d, st):  # every level of the stack splits its extent exactly
+        e = shape[d]
+        for mm, sff in st:
+            if e % (k[mm] * sff):
+                return False
+            e //= k[mm]
+        return True
+
     # per mesh dim: cost of one unavoidable move of a misplaced level, and the P-dim bounds
     lvl_lb = [lb[m]["S"][1] if lb[m]["S"][0] is not None else 0.0 for m in range(M)]
     cand_mask, gather_lb = P.cand_mask, P.gather_lb
@@ -216,7 +225,8 @@ def solve(problem: Problem):
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
-    ub = inf
+    direct = direct_plan_cost(P)
+    ub = direct * (1 + 1e-12) + 1e-9 if direct is not None else inf
     while heap:
         _f, depth, _, gcost, state, shards, h = pop_heap(heap)
         if gcost > best[state]:
@@ -239,28 +249,41 @@ def solve(problem: Problem):
                 break
         depth -= 1
         at_target = stacks == tgt
+        # Neighbours: each is priced (cost, heuristic change) before its state is built, and dropped
+        # when it cannot beat the best complete path known (the direct plan, or a goal reached).
         nbrs = []  # (new_state, step_cost, new_shards, dh, move)
+        base_f = gcost + h
         for d in range(T):
             st = stacks[d]
             if not st:
                 continue
             m, sf = st[-1]
-            rest = st[:-1]
             top_lb = 0.0 if st == tgt[d][:len(st)] else lvl_lb[m]
-            popped = stacks[:d] + (rest,) + stacks[d + 1:]
+            popped = None
             la, fa = c_ag[m]
-            nbrs.append(((popped, pa, pb), la + fa * n, shards // k[m],
-                         gather_lb(mand & ~(1 << m)) - h_ag - top_lb, (AG, m, d, None, 1)))
+            step_cost = la + fa * n
+            dh = gather_lb(mand & ~(1 << m)) - h_ag - top_lb
+            if base_f + step_cost + dh <= ub:
+                popped = stacks[:d] + (st[:-1],) + stacks[d + 1:]
+                nbrs.append(((popped, pa, pb), step_cost, shards // k[m], dh, (AG, m, d, None, 1)))
             la, fa = c_a2a[m]
             a2a_cost = la + fa * n
+            if base_f + a2a_cost - top_lb > ub:
+                continue
             for d2, sf2 in targets[m]:
                 if d2 == d and sf2 == sf:
                     continue
-                st2 = popped[d2]
+                st2 = stacks[d2] if d2 != d else st[:-1]
                 if not st2 and d2 in scratch_set and d2 != first_empty_scratch and d2 != d:
                     continue
                 st2 = st2 + ((m, sf2),)
+                if even_only and not fits(d2, st2):
+                    continue
                 new_lb = 0.0 if st2 == tgt[d2][:len(st2)] else lvl_lb[m]
+                if base_f + a2a_cost + new_lb - top_lb > ub:
+                    continue
+                if popped is None:
+                    popped = stacks[:d] + (st[:-1],) + stacks[d + 1:]
                 nbrs.append(((popped[:d2] + (st2,) + popped[d2 + 1:], pa, pb), a2a_cost, shards,
                              new_lb - top_lb, (A2A, m, d, d2, sf2)))
         for m in range(M):
@@ -273,7 +296,8 @@ def solve(problem: Problem):
                 else:
                     old_lb, npa, npb = lb_pb[m], pa, pb & ~bit
                 la, fa = c_ar[m]
-                nbrs.append(((stacks, npa, npb), la + fa * n, shards, -old_lb, (AR, m, None, None, 1)))
+                if base_f + la + fa * n - old_lb <= ub:
+                    nbrs.append(((stacks, npa, npb), la + fa * n, shards, -old_lb, (AR, m, None, None, 1)))
                 la, fa = c_rs[m]
                 step_cost, new_shards, kind, base = la + fa * n, shards * k[m], RS, -old_lb
                 pstate = (npa, npb)
@@ -286,20 +310,24 @@ def solve(problem: Problem):
                     nbrs.append(((stacks, pa, pb | bit), 0.0, shards, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
             if cand_mask >> m & 1:  # the new level will have to be gathered
                 base += gather_lb(mand | bit) - h_ag
+            if base_f + step_cost + base > ub:
+                continue
             for d2, sf2 in targets[m]:
                 st2 = stacks[d2]
                 if not st2 and d2 in scratch_set and d2 != first_empty_scratch:
                     continue
                 st2 = st2 + ((m, sf2),)
+                if even_only and not fits(d2, st2):
+                    continue
                 new_lb = 0.0 if st2 == tgt[d2][:len(st2)] else lvl_lb[m]
+                if base_f + step_cost + base + new_lb > ub:
+                    continue
                 nbrs.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], *pstate), step_cost, new_shards,
                              base + new_lb, (kind, m, None, d2, sf2)))
         for new_state, step_cost, new_shards, dh, move in nbrs:
             ng = gcost + step_cost
-            if ng + h + dh >= ub:  # can never beat a path to the target already found
-                continue
-            if new_state == goal:
-                ub = ng + 1e-9
+            if new_state == goal and ng < ub:
+                ub = ng
             if ng < best.get(new_state, inf) - 1e-9:
                 best[new_state] = ng
                 parent[new_state] = (state, move, step_cost)
@@ -307,6 +335,45 @@ def solve(problem: Problem):
                 nh = h + dh
                 push_heap(heap, (ng + nh, depth, counter, ng, new_state, new_shards, nh))
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
+
+
+def direct_plan_cost(P: Problem) -> float | None:
+    """Cost of a simple valid plan, as an upper bound: reduce what must be reduced (reduce-scatter
+    where that extends the target's stack, else all-reduce), gather every level above the common
+    prefix with the target, then shard (free) into the target's order and make dims partial."""
+    k = P.k
+    stacks = [list(st) for st in P.src_levels]
+    tgt = P.dst_levels
+    shards = 1
+    for st in stacks:
+        for m, _ in st:
+            shards *= k[m]
+    cost = 0.0
+    g = P.g
+    pa, pb = P.start_pa, P.start_pb
+    for m in range(P.M):
+        bit = 1 << m
+        if not (pa | pb) & bit or (pb & bit and P.dst_pmask & bit):
+            continue
+        n = g / shards
+        where = P.dst_where.get(m)
+        if where is not None:
+            d, sf = where
+            if tuple(stacks[d]) + ((m, sf),) == tgt[d][:len(stacks[d]) + 1]:
+                cost += P.lat[REDUCE_SCATTER, m] + P.fac[REDUCE_SCATTER, m] * n
+                stacks[d].append((m, sf))
+                shards *= k[m]
+                continue
+        cost += P.lat[ALL_REDUCE, m] + P.fac[ALL_REDUCE, m] * n
+    for d, st in enumerate(stacks):
+        keep = 0
+        while keep < len(st) and keep < len(tgt[d]) and st[keep] == tgt[d][keep]:
+            keep += 1
+        while len(st) > keep:
+            m, _ = st.pop()
+            cost += P.lat[ALL_GATHER, m] + P.fac[ALL_GATHER, m] * g / shards
+            shards //= k[m]
+    return cost
 
 
 def _unwind(parent, state, total):
