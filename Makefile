@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test demo bench lint clean chromium
 
 venv: .venv/.done
 .venv/.done: pyproject.toml
@@ -10,9 +10,16 @@ venv: .venv/.done
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
-test: venv
+test: venv chromium
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -x tests
+
+# The HTML plan test renders in headless Chromium; install it where we can (root + apt), else the
+# test skips with a message.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1; } \
+		|| echo "note: Chromium not installed; the HTML render test will be skipped"
 
 demo: venv
 	$(PY) -m fxshard demo

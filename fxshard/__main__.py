@@ -86,16 +86,102 @@ def demo_llama() -> None:
         raise SystemExit(1)
 
 
+BUILTIN_PLANS = {
+    "tp": "megatron_tp_plan", "megatron": "megatron_tp_plan", "sp": "sequence_parallel_plan",
+    "vocab": "vocab_parallel_plan", "mlp": "mlp_plan", "none": None, "dp": None,
+}
+
+
+def load_object(ref: str):
+    """``path/to/file.py:Name`` or ``package.module:Name``."""
+    import importlib
+    import importlib.util
+    import os
+
+    if ":" not in ref:
+        raise SystemExit(f"expected FILE.py:NAME or MODULE:NAME, got {ref!r}")
+    where, name = ref.rsplit(":", 1)
+    if where.endswith(".py") or os.path.sep in where:
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"cannot load {where}")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(where)
+    if not hasattr(mod, name):
+        raise SystemExit(f"{where} has no {name!r}")
+    return getattr(mod, name)
+
+
+def parse_mesh(text: str):
+    import fxshard
+
+    shape = tuple(int(x) for x in text.lower().split("x"))
+    names = {1: ("tp",), 2: ("dp", "tp")}.get(len(shape), tuple(f"dp{i}" for i in range(len(shape) - 1)) + ("tp",))
+    return fxshard.MeshSpec(shape, names=names)
+
+
+def load_plan(ref: str):
+    from fxshard import zoo
+
+    if ref in BUILTIN_PLANS:
+        fn = BUILTIN_PLANS[ref]
+        return getattr(zoo, fn)() if fn else None
+    plan = load_object(ref)
+    return plan() if callable(plan) else plan
+
+
+def build_program(factory_ref: str, mesh_text: str, plan_ref: str):
+    import fxshard
+    from fxshard import zoo
+
+    made = load_object(factory_ref)()
+    model, inputs = made if isinstance(made, tuple) else (made, None)
+    if inputs is None:
+        inputs = zoo.example_input(model)
+    return fxshard.shard(model, parse_mesh(mesh_text), load_plan(plan_ref), example_inputs=inputs)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fxshard")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="the main demo")
+    sub.add_parser("demo", help="the main demo: a Llama-style model on a simulated 2x4 mesh")
     sub.add_parser("plan-demo", help="redistribution plans next to torch's")
+    for name, hlp in (("explain", "print a sharded program's plan"), ("diff", "compare two plans or meshes")):
+        p = sub.add_parser(name, help=hlp)
+        p.add_argument("factory", help="FILE.py:FACTORY or MODULE:FACTORY returning a model or (model, inputs)")
+        p.add_argument("--mesh", action="append", default=None, help="mesh shape such as 2x4 (last dim: tp)")
+        p.add_argument("--plan", action="append", default=None,
+                       help=f"built-in plan ({', '.join(BUILTIN_PLANS)}) or FILE.py:NAME")
+        p.add_argument("--format", choices=("text", "json", "html"), default="text")
+        p.add_argument("--verbose", action="store_true", help="every node, not only the ones that matter")
+        p.add_argument("-o", "--output", help="write to this file instead of stdout")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         demo_llama()
-    elif args.cmd == "plan-demo":
+        return 0
+    if args.cmd == "plan-demo":
         demo_planner()
+        return 0
+    import fxshard
+
+    meshes = args.mesh or ["2"]
+    plans = args.plan or ["tp"]
+    if args.cmd == "explain":
+        prog = build_program(args.factory, meshes[0], plans[0])
+        text = prog.explain(verbose=args.verbose, format=args.format)
+    else:
+        if len(meshes) * len(plans) != 2:
+            raise SystemExit("diff needs two programs: --plan A --plan B, or --mesh A --mesh B")
+        pairs = [(m, p) for m in meshes for p in plans]
+        a, b = (build_program(args.factory, m, p) for m, p in pairs)
+        text = fxshard.diff(a, b, names=tuple(f"{p} on {m}" for m, p in pairs))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
     return 0
 
 

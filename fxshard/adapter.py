@@ -164,3 +164,23 @@ def record_frames_of(fn) -> None:
     from torch.fx.proxy import _register_stack_trace_anchor
 
     _register_stack_trace_anchor(fn)
+
+
+def register_torch_logs() -> None:
+    """Make ``TORCH_LOGS="fxshard"`` (and ``torch._logging.set_logs(fxshard=...)``) control our logger."""
+    import os
+
+    from torch._logging import _internal
+
+    if "fxshard" not in _internal.log_registry.log_alias_to_log_qnames:
+        _internal.register_log("fxshard", "fxshard")
+        if "fxshard" in os.environ.get("TORCH_LOGS", ""):
+            _internal._init_logs()
+
+
+def trace_artifact(name: str, payload_fn) -> None:
+    """A structured-trace artifact (shown by tlparse for TORCH_TRACE runs); free when tracing is off."""
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+                     payload_fn=payload_fn)

@@ -13,6 +13,7 @@ from .passes.capture import capture
 from .passes.redistribute import insert_redistributes
 from .plans import PlanConstraints, plan_dim, resolve_plan
 from .program import ShardedProgram
+from .report import log_program
 
 
 def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, example_inputs: Sequence,
@@ -49,4 +50,6 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     warnings = annotate(captured.gm, mesh, constraints, cost_model=cm, input_placements=input_placements,
                         output_placements=output_placements)
     insert_redistributes(captured.gm, cm)
-    return ShardedProgram(captured.gm, captured, mesh, cm, warnings, device_mesh)
+    prog = ShardedProgram(captured.gm, captured, mesh, cm, warnings, device_mesh)
+    log_program(prog)
+    return prog

@@ -58,17 +58,17 @@ class ShardedProgram:
                     continue
                 shards = math.prod(self.mesh.shape[m] for st in lv for m, _ in st)
                 nbytes = plan.src.nbytes // shards
-                consumer = rec.provenance.replace("planner (for ", "").rstrip(")")
                 where = f"{rec.module}: " if rec.module else ""
                 out.append(Collective(step.collective, step.mesh_dims, nbytes, step.cost, n.name,
-                                      f"{where}input of {consumer}",
+                                      f"{where}{rec.provenance}",
                                       f"{placements_str((step.src,))}->{placements_str((step.dst,))}"))
         return out
 
-    def explain(self, verbose: bool = False) -> str:
+    def explain(self, verbose: bool = False, format: str = "text") -> str:
+        """The plan as a table (``format="json"`` / ``"html"`` for tools and browsers)."""
         from .report import explain
 
-        return explain(self, verbose=verbose)
+        return explain(self, verbose=verbose, format=format)
 
     # ---- running ----------------------------------------------------------------------------------
     def placeholder_values(self, inputs) -> list:

@@ -1,9 +1,26 @@
-"""Readable plans: ``explain`` (a first version; a later issue polishes it)."""
+"""Plans people can read: ``explain`` (text / json / html), ``diff``, logging and trace artifacts.
+
+A row per node that matters: parameters and inputs, module boundaries the plan constrains, every
+redistribute (its state path in the planner's notation, each collective with bytes per rank and
+modelled µs) and every fallback; ``verbose=True`` adds every other node.  Repeated layers whose rows
+are identical but for the layer index are folded (``layers.0-31``).  Rows carry their module FQN,
+source line and provenance: the plan entry, rule or planner decision that put the placement there.
+"""
 
 from __future__ import annotations
 
+import html
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+
 from .passes.capture import info
 from .spec import placements_str
+
+log = logging.getLogger("fxshard")
+
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
 def _pl(spec) -> str:
@@ -14,46 +31,325 @@ def _pl(spec) -> str:
     return placements_str(spec.placements, spec.levels)
 
 
-def explain(prog, verbose: bool = False) -> str:
-    """One row per node that matters: parameters and inputs, constrained module boundaries, every
-    redistribute with its collectives and cost, and fallbacks (``verbose=True``: every node)."""
+@dataclass
+class Row:
+    module: str
+    op: str
+    placements: str
+    where: str = ""
+    why: str = ""
+    node: str = ""
+    collectives: list = field(default_factory=list)  # [(kind, mesh_dims, bytes, us)]
+    cost: float = 0.0
+
+    def key(self):
+        """What must match for two layers' rows to fold (everything but the layer index)."""
+        return (_INDEX.sub(".#", self.module), _INDEX.sub(".#", self.op), self.placements, self.where,
+                _INDEX.sub(".#", self.why), tuple(self.collectives))
+
+
+def _redistribute_text(plan) -> str:
+    states = []
+    for lv, part in zip(plan.levels, plan.partials):
+        from .spec import levels_to_placements
+
+        states.append(placements_str(levels_to_placements(lv, part, plan.src.mesh.ndim), lv))
+    return " -> ".join(states)
+
+
+def _consumer(n):
+    """The op a redistribute feeds, looking through boundary markers."""
+    seen = 0
+    while seen < 16:
+        users = list(n.users)
+        if not users:
+            return n
+        u = users[0]
+        if info(u).kind != "boundary":
+            return u
+        n = u
+        seen += 1
+    return n
+
+
+def node_rows(prog, verbose: bool = False) -> list[Row]:
     rows = []
+    mesh = prog.mesh
     for n in prog.graph.graph.nodes:
         rec = info(n)
         if n.op == "output":
             continue
-        if not verbose and rec.kind not in ("redistribute", "param", "buffer", "constant", "input") \
-                and not rec.provenance.startswith(("fallback", "factory")) \
-                and not (rec.kind == "boundary" and rec.provenance != "passthrough"):
-            continue
         if rec.kind == "redistribute":
             plan = rec.plan
-            coll = [s for s in plan.steps if s.collective]
-            what = ", ".join(f"{s.collective}[{','.join(map(str, s.mesh_dims))}]" for s in coll) or "local"
-            rows.append((rec.module, n.name, "redistribute", _pl(plan.src) + " -> " + _pl(plan.dst),
-                         f"{what} {plan.cost:.1f}us", rec.provenance))
+            colls = []
+            for step, lv in zip(plan.steps, plan.levels):
+                if step.collective:
+                    shards = 1
+                    for st in lv:
+                        for m, _ in st:
+                            shards *= mesh.shape[m]
+                    colls.append((step.collective, step.mesh_dims, plan.src.nbytes // shards, round(step.cost, 2)))
+            cons = _consumer(n)
+            rows.append(Row(rec.module, "redistribute", _redistribute_text(plan), rec.source,
+                            f"{_op_name(cons)} needs {_pl(rec.spec)}", n.name, colls, plan.cost))
         elif n.op == "placeholder":
-            rows.append((rec.module, n.name, rec.kind + (f" {rec.fqn}" if rec.fqn else ""), _pl(rec.spec), "",
-                         rec.provenance))
+            module = rec.fqn.rsplit(".", 1)[0] if rec.fqn and "." in rec.fqn else ""
+            what = f"{rec.kind} {rec.fqn}" if rec.fqn else f"input {rec.input_index}"
+            rows.append(Row(module, what, _pl(rec.spec), "", rec.provenance, n.name))
         else:
-            target = getattr(n.target, "__name__", str(n.target))
-            rows.append((rec.module, n.name, target, _pl(rec.spec), rec.source, rec.provenance))
-    widths = [max(len(r[i]) for r in rows + [("module", "node", "op", "placements", "where", "why")])
-              for i in range(6)]
-    head = ("module", "node", "op", "placements", "where", "why")
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    colls = prog.collectives()
-    kinds = {}
-    for c in colls:
+            important = rec.provenance.startswith(("fallback", "factory")) or \
+                (rec.kind == "boundary" and rec.provenance != "passthrough")
+            if not (verbose or important):
+                continue
+            rows.append(Row(rec.module, _op_name(n), _pl(rec.spec), rec.source, rec.provenance, n.name))
+    return rows
+
+
+def _op_name(n) -> str:
+    if n.op != "call_function":
+        return n.op
+    t = n.target
+    name = getattr(t, "__name__", str(t))
+    if hasattr(t, "_schema"):  # OpOverload: aten.mm.default -> mm
+        name = str(t).split(".")[-2] if str(t).count(".") >= 2 else str(t)
+    if info(n).kind == "boundary":
+        return "boundary " + info(n).extra["tag"].split(":", 1)[1]
+    return name
+
+
+def fold(rows: list[Row]) -> list[Row]:
+    """Fold runs of layers (same container, consecutive indices) whose rows match."""
+    out: list[Row] = []
+    i = 0
+    while i < len(rows):
+        m = _INDEX.search(rows[i].module)
+        if not m:
+            out.append(rows[i])
+            i += 1
+            continue
+        container = rows[i].module[:m.start()]
+        # the block of rows belonging to layer idx
+        def block(start, container=container):
+            mm = _INDEX.search(rows[start].module)
+            if not mm or rows[start].module[:mm.start()] != container:
+                return None, start
+            idx = mm.group(1)
+            j = start
+            while j < len(rows):
+                m2 = _INDEX.search(rows[j].module)
+                if not m2 or rows[j].module[:m2.start()] != container or m2.group(1) != idx:
+                    break
+                j += 1
+            return int(idx), j
+
+        first_idx, end = block(i)
+        blocks = [(first_idx, i, end)]
+        while end < len(rows):
+            idx, nxt = block(end)
+            if idx is None or idx != blocks[-1][0] + 1:
+                break
+            a = [r.key() for r in rows[blocks[0][1]:blocks[0][2]]]
+            b = [r.key() for r in rows[end:nxt]]
+            if a != b:
+                break
+            blocks.append((idx, end, nxt))
+            end = nxt
+        if len(blocks) == 1:
+            out.extend(rows[i:blocks[0][2]])
+            i = blocks[0][2]
+            continue
+        lo, hi = blocks[0][0], blocks[-1][0]
+        for r in rows[blocks[0][1]:blocks[0][2]]:
+            r2 = Row(**{**asdict(r)})
+            r2.module = re.sub(rf"^{re.escape(container)}\.{lo}(?=\.|$)", f"{container}.{lo}-{hi}", r.module)
+            r2.why = r.why.replace(f"{container}.{lo}.", f"{container}.{lo}-{hi}.")
+            r2.op = r.op.replace(f"{container}.{lo}.", f"{container}.{lo}-{hi}.")
+            r2.node = f"{r.node} (x{len(blocks)})"
+            out.append(r2)  # collectives and cost stay per layer; the module range says how many
+        i = blocks[-1][2]
+    return out
+
+
+def _fmt_colls(colls) -> str:
+    return "; ".join(f"{k}{list(d)} {b}B {c:.2f}us" for k, d, b, c in colls)
+
+
+def summary(prog) -> dict:
+    kinds: dict[str, list] = {}
+    for c in prog.collectives():
         k = kinds.setdefault(c.kind, [0, 0, 0.0])
         k[0] += 1
         k[1] += c.bytes
         k[2] += c.cost
+    return {k: {"count": v[0], "bytes": v[1], "us": round(v[2], 2)} for k, v in sorted(kinds.items())}
+
+
+def explain(prog, verbose: bool = False, format: str = "text") -> str:
+    if format == "json":
+        return to_json(prog, verbose)
+    if format == "html":
+        return to_html(prog, verbose)
+    if format != "text":
+        raise ValueError(f"explain: unknown format {format!r}; use text, json or html")
+    rows = fold(node_rows(prog, verbose))
+    head = ("module", "op", "placements", "where", "why", "collectives")
+    table = [head] + [(r.module or "-", r.op, r.placements, r.where, r.why, _fmt_colls(r.collectives))
+                      for r in rows]
+    widths = [max(len(t[i]) for t in table) for i in range(len(head))]
+    lines = [f"fxshard plan on mesh {prog.mesh.shape}" + (f" {prog.mesh.names}" if prog.mesh.names else "")]
+    for t in table:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
+    s = summary(prog)
+    total_b = sum(v["bytes"] for v in s.values())
+    total_us = sum(v["us"] for v in s.values())
     lines.append("")
-    summary = ", ".join(f"{k} x{v[0]} ({v[1]} B, {v[2]:.1f} us)" for k, v in sorted(kinds.items()))
-    lines.append("collectives: " + (summary or "none"))
+    lines.append("forward: " + (", ".join(f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)"
+                                          for k, v in s.items()) or "no collectives")
+                 + (f"; total {total_b} B, {total_us:.2f} us per step" if s else ""))
     for w in prog.warnings:
         lines.append(f"fallback: {w}")
     return "\n".join(lines)
+
+
+def to_json(prog, verbose: bool = False) -> str:
+    rows = fold(node_rows(prog, verbose))
+    return json.dumps({
+        "mesh": {"shape": list(prog.mesh.shape), "names": list(prog.mesh.names or [])},
+        "rows": [asdict(r) for r in rows],
+        "collectives": [asdict(c) for c in prog.collectives()],
+        "summary": summary(prog),
+        "fallbacks": list(prog.warnings),
+    }, indent=1)
+
+
+def to_html(prog, verbose: bool = False) -> str:
+    """A self-contained page: the plan table and a per-layer timeline of collectives (inline SVG)."""
+    rows = fold(node_rows(prog, verbose))
+    colls = prog.collectives()
+    e = html.escape
+    body = ["<table><tr><th>module</th><th>op</th><th>placements</th><th>where</th><th>why</th>"
+            "<th>collectives</th></tr>"]
+    for r in rows:
+        cls = ' class="redist"' if r.collectives else ""
+        body.append(f"<tr{cls}><td>{e(r.module or '-')}</td><td>{e(r.op)}</td><td>{e(r.placements)}</td>"
+                    f"<td>{e(r.where)}</td><td>{e(r.why)}</td><td>{e(_fmt_colls(r.collectives))}</td></tr>")
+    body.append("</table>")
+    # timeline: one lane per layer (module prefix up to the layer index), bars in program order
+    lanes: dict[str, list] = {}
+    for c in colls:
+        m = _INDEX.search(c.provenance.split(":")[0])
+        lane = c.provenance.split(":")[0][:m.end()] if m else (c.provenance.split(":")[0] or "(top)")
+        lanes.setdefault(lane, []).append(c)
+    colors = {"all_gather": "#4e79a7", "reduce_scatter": "#f28e2b", "all_reduce": "#e15759", "all_to_all": "#76b7b2"}
+    scale = 600.0 / max(1e-9, max((sum(c.cost for c in v) for v in lanes.values()), default=1.0))
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="820" height="{24 * len(lanes) + 10}">']
+    for i, (lane, cs) in enumerate(lanes.items()):
+        y = 5 + 24 * i
+        svg.append(f'<text x="0" y="{y + 14}" font-size="11">{e(lane)}</text>')
+        x = 200.0
+        for c in cs:
+            w = max(1.0, c.cost * scale)
+            svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="18" fill="{colors.get(c.kind, "#999")}">'
+                       f'<title>{e(c.kind)} mesh dims {list(c.mesh_dims)} {c.bytes} B {c.cost:.2f} us '
+                       f'{e(c.provenance)}</title></rect>')
+            x += w
+    svg.append("</svg>")
+    s = summary(prog)
+    foot = ", ".join(f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)" for k, v in s.items())
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>fxshard plan</title><style>"
+            "body{font-family:monospace;font-size:12px} table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left} tr.redist{background:#fff3e0}"
+            "</style></head><body>"
+            f"<h3>fxshard plan on mesh {e(str(prog.mesh.shape))}</h3>"
+            f"<p>forward: {e(foot or 'no collectives')}</p>" + "".join(svg) + "".join(body) +
+            "".join(f"<p>fallback: {e(w)}</p>" for w in prog.warnings) + "</body></html>")
+
+
+# ---- diff ----------------------------------------------------------------------------------------
+
+def _diff_rows(prog) -> dict:
+    """{op node name: (module, op, placements, incoming collectives, cost)} for every ATen op node."""
+    incoming: dict[str, list] = {}
+    costs: dict[str, float] = {}
+    mesh = prog.mesh
+    for n in prog.graph.graph.nodes:
+        rec = info(n)
+        if rec.kind != "redistribute":
+            continue
+        cons = _consumer(n)
+        plan = rec.plan
+        for step, lv in zip(plan.steps, plan.levels):
+            if step.collective:
+                shards = 1
+                for st in lv:
+                    for m, _ in st:
+                        shards *= mesh.shape[m]
+                incoming.setdefault(cons.name, []).append(
+                    f"{step.collective}{list(step.mesh_dims)} {plan.src.nbytes // shards}B")
+        costs[cons.name] = costs.get(cons.name, 0.0) + plan.cost
+    out = {}
+    for n in prog.graph.graph.nodes:
+        rec = info(n)
+        if n.op != "call_function" or rec.kind in ("redistribute", "boundary"):
+            continue
+        out[n.name] = (rec.module, _op_name(n), _pl(rec.spec), tuple(incoming.get(n.name, ())),
+                       costs.get(n.name, 0.0))
+    out_node = next(n for n in prog.graph.graph.nodes if n.op == "output")
+    out["output"] = ("", "output", _pl(info(out_node).input_specs), tuple(incoming.get("output", ())),
+                     costs.get("output", 0.0))
+    return out
+
+
+def diff(a, b, names=("a", "b")) -> str:
+    """Unified-diff-style comparison of two programs of the same model: only ops whose placements or
+    incoming collectives differ, runs of ops with the same change merged, repeated layers folded,
+    with the modelled cost delta per row and in total."""
+    ra, rb = _diff_rows(a), _diff_rows(b)
+    changed: list[Row] = []
+    for k in list(ra) + [k for k in rb if k not in ra]:
+        x, y = ra.get(k), rb.get(k)
+        if x is not None and y is not None and x[2:4] == y[2:4]:
+            continue
+        module, op = (x or y)[0], (x or y)[1]
+        minus = "-" if x is None else x[2] + (f"  <- {'; '.join(x[3])}" if x[3] else "")
+        plus = "-" if y is None else y[2] + (f"  <- {'; '.join(y[3])}" if y[3] else "")
+        delta = (y[4] if y else 0.0) - (x[4] if x else 0.0)
+        prev = changed[-1] if changed else None
+        if prev is not None and prev.module == module and prev.placements == f"{minus}\n{plus}" \
+                and "<-" not in prev.placements and abs(delta) < 1e-9:
+            prev.op += f", {op}"
+            continue
+        changed.append(Row(module, op, f"{minus}\n{plus}", cost=delta))
+    if not changed:
+        return "no difference"
+    lines = []
+    total = 0.0
+    for r in fold(changed):
+        minus, plus = r.placements.split("\n")
+        mult = _layers(r.module)
+        total += r.cost * mult
+        lines.append(f"@@ {r.module or '-'}: {r.op} @@ {r.cost:+.2f} us" + (f" x{mult}" if mult > 1 else ""))
+        lines.append(f"-{minus}")
+        lines.append(f"+{plus}")
+    sa = sum(v["us"] for v in summary(a).values())
+    sb = sum(v["us"] for v in summary(b).values())
+    head = [f"--- {names[0]} (mesh {a.mesh.shape}, {sa:.2f} us of collectives)",
+            f"+++ {names[1]} (mesh {b.mesh.shape}, {sb:.2f} us of collectives)"]
+    return "\n".join(head + lines + [f"total: {sb - sa:+.2f} us ({sa:.2f} -> {sb:.2f})"])
+
+
+def _layers(module: str) -> int:
+    m = re.search(r"\.(\d+)-(\d+)(?=\.|$)", module)
+    return int(m.group(2)) - int(m.group(1)) + 1 if m else 1
+
+
+# ---- logging -------------------------------------------------------------------------------------
+
+def log_program(prog) -> None:
+    """Plan summary on the ``fxshard`` logger (``TORCH_LOGS=fxshard``) and as a structured-trace
+    artifact (``TORCH_TRACE``; tlparse shows it)."""
+    from .adapter import trace_artifact
+
+    if log.isEnabledFor(logging.INFO):
+        log.info("fxshard plan:\n%s", explain(prog))
+    trace_artifact("fxshard_explain", lambda: explain(prog))

@@ -10,6 +10,7 @@ came from (``nn_module_stack``), its source line and a fake-tensor ``meta["val"]
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -138,13 +139,17 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, example_kwarg
     module = model if isinstance(model, nn.Module) else _FnModule(model)
     handles = _install_boundary_hooks(module, boundaries or {})
     try:
-        ep = torch.export.export(module, tuple(example_inputs), strict=False)
+        with warnings.catch_warnings():  # torch's own pytree deprecation noise during export
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            ep = torch.export.export(module, tuple(example_inputs), strict=False)
     except Exception as e:  # surface which model failed, keep torch's reason
         raise RuntimeError(f"fxshard.capture: torch.export could not trace {type(module).__name__}: {e}") from e
     finally:
         for h in handles:
             h.remove()
-    ep = ep.run_decompositions(_decomposition_table())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        ep = ep.run_decompositions(_decomposition_table())
     sig = ep.graph_signature
     if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
         raise NotImplementedError(

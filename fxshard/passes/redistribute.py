@@ -57,7 +57,8 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 rr.input_specs = (have,)
                 rr.module = info(node).module
                 rr.source, rr.code = info(node).source, info(node).code
-                rr.provenance = f"planner (for {node.name})"
+                why = info(node).provenance
+                rr.provenance = f"planner: {node.name} needs {want}" + (f" ({why})" if why and why != "rule" else "")
                 cache[key] = r
                 count += 1
             if node.op == "output":
