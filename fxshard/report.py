@@ -89,9 +89,13 @@ def node_rows(prog, verbose: bool = False) -> list[Row]:
                         for m, _ in st:
                             shards *= mesh.shape[m]
                     colls.append((step.collective, step.mesh_dims, plan.src.nbytes // shards, round(step.cost, 2)))
-            cons = _consumer(n)
-            rows.append(Row(rec.module, "redistribute", _redistribute_text(plan), rec.source,
-                            f"{_op_name(cons)} needs {_pl(rec.spec)}", n.name, colls, plan.cost))
+            first = next(iter(n.users))
+            if info(first).kind == "boundary" and info(first).provenance != "passthrough":
+                why = info(first).provenance  # the plan entry that asked for it
+            else:
+                why = f"{_op_name(_consumer(n))} needs {_pl(rec.spec)}"
+            rows.append(Row(rec.module, "redistribute", _redistribute_text(plan), rec.source, why, n.name,
+                            colls, plan.cost))
         elif n.op == "placeholder":
             module = rec.fqn.rsplit(".", 1)[0] if rec.fqn and "." in rec.fqn else ""
             what = f"{rec.kind} {rec.fqn}" if rec.fqn else f"input {rec.input_index}"

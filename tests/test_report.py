@@ -44,7 +44,7 @@ fc1     boundary in:0     R           zoo.py:34  fc1: ColwiseParallel (in:0)
 fc1     boundary out:0    S(2)        zoo.py:34  fc1: ColwiseParallel (out:0)
 fc2     boundary in:0     S(2)        zoo.py:34  fc2: RowwiseParallel (in:0)
 fc2     redistribute      R -> P      zoo.py:34  addmm needs P
-fc2     redistribute      P -> R      zoo.py:34  output needs R                all_reduce[0] 2048B 7.82us
+fc2     redistribute      P -> R      zoo.py:34  fc2: RowwiseParallel (out:0)  all_reduce[0] 2048B 7.82us
 fc2     boundary out:0    R           zoo.py:34  fc2: RowwiseParallel (out:0)
 
 forward: all_reduce x1 (2048 B, 7.82 us); total 2048 B, 7.82 us per step""")
@@ -75,14 +75,14 @@ layers.0-1.attention.wk     boundary out:0                           S(0)S(2)   
 layers.0-1.attention.wv     boundary in:0                            S(0)R           zoo.py:123  layers.*.attention.wv: ColwiseParallel (in:0)
 layers.0-1.attention.wv     boundary out:0                           S(0)S(2)        zoo.py:123  layers.*.attention.wv: ColwiseParallel (out:0)
 layers.0-1.attention.wo     boundary in:0                            S(0)S(2)        zoo.py:131  layers.*.attention.wo: RowwiseParallel (in:0)
-layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)R  zoo.py:131  add needs S(0)R                                    all_reduce[1] 4096B 10.27us
+layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)R  zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)     all_reduce[1] 4096B 10.27us
 layers.0-1.attention.wo     boundary out:0                           S(0)R           zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)
 layers.0-1.feed_forward.w1  boundary in:0                            S(0)R           zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (in:0)
 layers.0-1.feed_forward.w1  boundary out:0                           S(0)S(2)        zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (out:0)
 layers.0-1.feed_forward.w3  boundary in:0                            S(0)R           zoo.py:47   layers.*.feed_forward.w3: ColwiseParallel (in:0)
 layers.0-1.feed_forward.w3  boundary out:0                           S(0)S(2)        zoo.py:47   layers.*.feed_forward.w3: ColwiseParallel (out:0)
 layers.0-1.feed_forward.w2  boundary in:0                            S(0)S(2)        zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (in:0)
-layers.0-1.feed_forward.w2  redistribute                             S(0)P -> S(0)R  zoo.py:47   add needs S(0)R                                    all_reduce[1] 4096B 10.27us
+layers.0-1.feed_forward.w2  redistribute                             S(0)P -> S(0)R  zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)  all_reduce[1] 4096B 10.27us
 layers.0-1.feed_forward.w2  boundary out:0                           S(0)R           zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)
 
 forward: all_reduce x4 (16384 B, 41.06 us); total 16384 B, 41.06 us per step""")
@@ -107,10 +107,10 @@ output                      param output.weight                      RS(0)      
 -                           buffer rope_sin                          RR                             replicated (no plan entry)
 -                           input 0                                  S(0)R                          input (plan hint)
 tok_embeddings              boundary in:0                            S(0)R              zoo.py:161  tok_embeddings: RowwiseParallel (in:0)
-tok_embeddings              redistribute                             S(0)P -> S(0)S(1)  zoo.py:161  pow needs S(0)S(1)                                 reduce_scatter[1] 4096B 8.43us
+tok_embeddings              redistribute                             S(0)P -> S(0)S(1)  zoo.py:161  tok_embeddings: RowwiseParallel (out:0)            reduce_scatter[1] 4096B 8.43us
 tok_embeddings              boundary out:0                           S(0)S(1)           zoo.py:161  tok_embeddings: RowwiseParallel (out:0)
 layers.0-1.attention_norm   boundary in:0                            S(0)S(1)           zoo.py:143  layers.*.attention_norm: SequenceParallel (in:0)
-layers.0-1.attention        redistribute                             S(0)S(1) -> S(0)R  zoo.py:143  view needs S(0)R                                   all_gather[1] 1024B 8.43us
+layers.0-1.attention        redistribute                             S(0)S(1) -> S(0)R  zoo.py:143  layers.*.attention: PrepareModuleInput (in:0)      all_gather[1] 1024B 8.43us
 layers.0-1.attention        boundary in:0                            S(0)R              zoo.py:143  layers.*.attention: PrepareModuleInput (in:0)
 layers.0-1.attention.wq     boundary in:0                            S(0)R              zoo.py:121  layers.*.attention.wq: ColwiseParallel (in:0)
 layers.0-1.attention.wq     boundary out:0                           S(0)S(2)           zoo.py:121  layers.*.attention.wq: ColwiseParallel (out:0)
@@ -119,20 +119,20 @@ layers.0-1.attention.wk     boundary out:0                           S(0)S(2)   
 layers.0-1.attention.wv     boundary in:0                            S(0)R              zoo.py:123  layers.*.attention.wv: ColwiseParallel (in:0)
 layers.0-1.attention.wv     boundary out:0                           S(0)S(2)           zoo.py:123  layers.*.attention.wv: ColwiseParallel (out:0)
 layers.0-1.attention.wo     boundary in:0                            S(0)S(2)           zoo.py:131  layers.*.attention.wo: RowwiseParallel (in:0)
-layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)S(1)  zoo.py:131  add needs S(0)S(1)                                 reduce_scatter[1] 4096B 8.43us
+layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)S(1)  zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)     reduce_scatter[1] 4096B 8.43us
 layers.0-1.attention.wo     boundary out:0                           S(0)S(1)           zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)
 layers.0-1.ffn_norm         boundary in:0                            S(0)S(1)           zoo.py:144  layers.*.ffn_norm: SequenceParallel (in:0)
-layers.0-1.feed_forward     redistribute                             S(0)S(1) -> S(0)R  zoo.py:144  view needs S(0)R                                   all_gather[1] 1024B 8.43us
+layers.0-1.feed_forward     redistribute                             S(0)S(1) -> S(0)R  zoo.py:144  layers.*.feed_forward: PrepareModuleInput (in:0)   all_gather[1] 1024B 8.43us
 layers.0-1.feed_forward     boundary in:0                            S(0)R              zoo.py:144  layers.*.feed_forward: PrepareModuleInput (in:0)
 layers.0-1.feed_forward.w1  boundary in:0                            S(0)R              zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (in:0)
 layers.0-1.feed_forward.w1  boundary out:0                           S(0)S(2)           zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (out:0)
 layers.0-1.feed_forward.w3  boundary in:0                            S(0)R              zoo.py:47   layers.*.feed_forward.w3: ColwiseParallel (in:0)
 layers.0-1.feed_forward.w3  boundary out:0                           S(0)S(2)           zoo.py:47   layers.*.feed_forward.w3: ColwiseParallel (out:0)
 layers.0-1.feed_forward.w2  boundary in:0                            S(0)S(2)           zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (in:0)
-layers.0-1.feed_forward.w2  redistribute                             S(0)P -> S(0)S(1)  zoo.py:47   add needs S(0)S(1)                                 reduce_scatter[1] 4096B 8.43us
+layers.0-1.feed_forward.w2  redistribute                             S(0)P -> S(0)S(1)  zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)  reduce_scatter[1] 4096B 8.43us
 layers.0-1.feed_forward.w2  boundary out:0                           S(0)S(1)           zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)
 norm                        boundary in:0                            S(0)S(1)           zoo.py:164  norm: SequenceParallel (in:0)
-output                      redistribute                             S(0)S(1) -> S(0)R  zoo.py:164  view needs S(0)R                                   all_gather[1] 1024B 8.43us
+output                      redistribute                             S(0)S(1) -> S(0)R  zoo.py:164  output: ColwiseParallel (in:0)                     all_gather[1] 1024B 8.43us
 output                      boundary in:0                            S(0)R              zoo.py:164  output: ColwiseParallel (in:0)
 output                      boundary out:0                           S(0)S(2)           zoo.py:164  output: ColwiseParallel (out:0)
 
