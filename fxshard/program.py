@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +52,7 @@ class ShardedProgram:
         for n in self.redistribute_nodes():
             rec = info(n)
             plan = rec.plan
-            for step, lv in zip(plan.steps, plan.levels):
-                if not step.collective:
-                    continue
-                shards = math.prod(self.mesh.shape[m] for st in lv for m, _ in st)
-                nbytes = plan.src.nbytes // shards
+            for step, nbytes in plan.collective_bytes():
                 where = f"{rec.module}: " if rec.module else ""
                 out.append(Collective(step.collective, step.mesh_dims, nbytes, step.cost, n.name,
                                       f"{where}{rec.provenance}",

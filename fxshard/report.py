@@ -74,21 +74,14 @@ def _consumer(n):
 
 def node_rows(prog, verbose: bool = False) -> list[Row]:
     rows = []
-    mesh = prog.mesh
     for n in prog.graph.graph.nodes:
         rec = info(n)
         if n.op == "output":
             continue
         if rec.kind == "redistribute":
             plan = rec.plan
-            colls = []
-            for step, lv in zip(plan.steps, plan.levels):
-                if step.collective:
-                    shards = 1
-                    for st in lv:
-                        for m, _ in st:
-                            shards *= mesh.shape[m]
-                    colls.append((step.collective, step.mesh_dims, plan.src.nbytes // shards, round(step.cost, 2)))
+            colls = [(step.collective, step.mesh_dims, nbytes, round(step.cost, 2))
+                     for step, nbytes in plan.collective_bytes()]
             first = next(iter(n.users))
             if info(first).kind == "boundary" and info(first).provenance != "passthrough":
                 why = info(first).provenance  # the plan entry that asked for it
@@ -212,7 +205,26 @@ def explain(prog, verbose: bool = False, format: str = "text") -> str:
                  + (f"; total {total_b} B, {total_us:.2f} us per step" if s else ""))
     for w in prog.warnings:
         lines.append(f"fallback: {w}")
+    for m in missed_fusions(prog):
+        lines.append(f"missed fusion: {m}")
     return "\n".join(lines)
+
+
+def missed_fusions(prog) -> list[str]:
+    """Runs of same-kind collectives on different mesh dims inside one redistribute: one collective
+    over the flattened dims could do them (there is no fusion pass yet, so every such run is missed)."""
+    out = []
+    for n in prog.graph.graph.nodes:
+        rec = info(n)
+        if rec.kind != "redistribute":
+            continue
+        steps = [s for s in rec.plan.steps if s.collective]
+        for a, b in zip(steps, steps[1:]):
+            if a.collective == b.collective and a.mesh_dims != b.mesh_dims:
+                where = f"{rec.module}: " if rec.module else ""
+                out.append(f"{where}{n.name} {a.collective} on mesh dims {list(a.mesh_dims)} then "
+                           f"{list(b.mesh_dims)} (no fusion pass yet)")
+    return out
 
 
 def to_json(prog, verbose: bool = False) -> str:
@@ -275,21 +287,14 @@ def _diff_rows(prog) -> dict:
     """{op node name: (module, op, placements, incoming collectives, cost)} for every ATen op node."""
     incoming: dict[str, list] = {}
     costs: dict[str, float] = {}
-    mesh = prog.mesh
     for n in prog.graph.graph.nodes:
         rec = info(n)
         if rec.kind != "redistribute":
             continue
         cons = _consumer(n)
         plan = rec.plan
-        for step, lv in zip(plan.steps, plan.levels):
-            if step.collective:
-                shards = 1
-                for st in lv:
-                    for m, _ in st:
-                        shards *= mesh.shape[m]
-                incoming.setdefault(cons.name, []).append(
-                    f"{step.collective}{list(step.mesh_dims)} {plan.src.nbytes // shards}B")
+        for step, nbytes in plan.collective_bytes():
+            incoming.setdefault(cons.name, []).append(f"{step.collective}{list(step.mesh_dims)} {nbytes}B")
         costs[cons.name] = costs.get(cons.name, 0.0) + plan.cost
     out = {}
     for n in prog.graph.graph.nodes:

@@ -11,8 +11,16 @@ import expecttest
 import pytest
 import torch
 from models import MLP, Llama, example_input, init_weights, megatron_tp_plan, mlp_plan, sequence_parallel_plan
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import fxshard
+
+
+def mlp_sp_plan():
+    """Sequence parallel around the MLP: sequence-sharded in and out, gathered for the colwise layer."""
+    return {"fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1))}
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,6 +145,47 @@ output                      boundary in:0                            S(0)R      
 output                      boundary out:0                           S(0)S(2)           zoo.py:164  output: ColwiseParallel (out:0)
 
 forward: all_gather x5 (5120 B, 42.16 us), reduce_scatter x5 (20480 B, 42.16 us); total 25600 B, 84.32 us per step""")
+
+    def test_explain_mlp_sp(self):
+        self.assertExpectedInline(program(MLP(), mlp_sp_plan(), fxshard.MeshSpec((2,))).explain(), """\
+fxshard plan on mesh (2,)
+module  op                placements  where      why                           collectives
+fc1     param fc1.weight  S(0)                   fc1: ColwiseParallel
+fc1     param fc1.bias    S(0)                   fc1: ColwiseParallel
+fc2     param fc2.weight  S(1)                   fc2: RowwiseParallel
+fc2     param fc2.bias    R                      fc2: RowwiseParallel
+-       input 0           S(1)                   input (plan hint)
+fc1     redistribute      S(1) -> R   zoo.py:34  fc1: ColwiseParallel (in:0)   all_gather[0] 1024B 7.21us
+fc1     boundary in:0     R           zoo.py:34  fc1: ColwiseParallel (in:0)
+fc1     boundary out:0    S(2)        zoo.py:34  fc1: ColwiseParallel (out:0)
+fc2     boundary in:0     S(2)        zoo.py:34  fc2: RowwiseParallel (in:0)
+fc2     redistribute      R -> P      zoo.py:34  addmm needs P
+fc2     redistribute      P -> S(1)   zoo.py:34  fc2: RowwiseParallel (out:0)  reduce_scatter[0] 2048B 7.21us
+fc2     boundary out:0    S(1)        zoo.py:34  fc2: RowwiseParallel (out:0)
+
+forward: all_gather x1 (1024 B, 7.21 us), reduce_scatter x1 (2048 B, 7.21 us); total 3072 B, 14.42 us per step""")
+
+    def test_diff_mlp_tp_vs_sp(self):
+        a = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))
+        b = program(MLP(), mlp_sp_plan(), fxshard.MeshSpec((2,)))
+        self.assertExpectedInline(fxshard.diff(a, b, names=("tp", "sp")), """\
+--- tp (mesh (2,), 7.82 us of collectives)
++++ sp (mesh (2,), 14.42 us of collectives)
+@@ fc1: view @@ +7.21 us
+-R
++R  <- all_gather[0] 1024B
+@@ -: output @@ -0.61 us
+-R  <- all_reduce[0] 2048B
++S(1)  <- reduce_scatter[0] 2048B
+total: +6.60 us (7.82 -> 14.42)""")
+
+    def test_missed_fusion_is_reported(self):
+        def f(x):
+            return x * 2
+
+        prog = fxshard.shard(f, fxshard.MeshSpec((2, 2)), example_inputs=(torch.randn(8, 4),),
+                             input_placements=[(Shard(0), Shard(0))], output_placements=[(Replicate(), Replicate())])
+        self.assertIn("missed fusion: redistribute all_gather on mesh dims [1] then [0]", prog.explain())
 
     def test_diff_mlp_plan_vs_replicated(self):
         a = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))

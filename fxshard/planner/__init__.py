@@ -60,6 +60,19 @@ class RedistributePlan:
     def collectives(self) -> list[Step]:
         return [s for s in self.steps if s.collective]
 
+    def collective_bytes(self) -> list[tuple[Step, int]]:
+        """Every collective step with its local input bytes per rank (even-shard count)."""
+        shape = self.src.mesh.shape
+        out = []
+        for step, lv in zip(self.steps, self.levels):
+            if step.collective:
+                shards = 1
+                for st in lv:
+                    for m, _ in st:
+                        shards *= shape[m]
+                out.append((step, self.src.nbytes // shards))
+        return out
+
     def __str__(self) -> str:
         path = " -> ".join(placements_str(levels_to_placements(lv, part, self.src.mesh.ndim), lv)
                            for lv, part in zip(self.levels, self.partials))
