@@ -1,34 +1,41 @@
-"""``fxshard.shard``: capture -> annotate -> redistribute, returning a ShardedProgram."""
+"""The pipeline as public stages, and ``fxshard.shard`` as their composition.
+
+    c = fxshard.capture(model, example_inputs, mesh=mesh, plan=plan)   # ATen graph + boundary markers
+    fxshard.annotate(c)                                                # placements in node.meta["fxshard"]
+    fxshard.set_placement(node, (Shard(0), Replicate()))               # optional hand edits
+    fxshard.redistribute(c)                                            # explicit redistribute nodes
+    prog = fxshard.program(c)                                          # ShardedProgram (lowers lazily)
+
+Each stage reads and writes ``node.meta["fxshard"]`` (``fxshard.passes.capture.NodeInfo``: ``spec``,
+``input_specs``, ``provenance``, ``plan`` ...).  User passes run at named points:
+``after_annotate``, ``after_redistribute``, ``after_fuse`` (there is no fusion stage yet: it follows
+``after_redistribute``) with ``fn(gm, captured)``, and ``after_lower`` with ``fn(local_gm, program)``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch.fx as fx
 import torch.nn as nn
 
 from .cost import CostModel
 from .mesh import MeshSpec
-from .passes.annotate import annotate
-from .passes.capture import capture
+from .passes import annotate as _annotate
+from .passes.capture import Captured, info
+from .passes.capture import capture as _capture
 from .passes.redistribute import insert_redistributes
 from .plans import PlanConstraints, plan_dim, resolve_plan
 from .program import ShardedProgram
 from .report import log_program
+from .spec import ShardingSpec
+
+PASS_POINTS = ("after_annotate", "after_redistribute", "after_fuse", "after_lower")
 
 
-def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, example_inputs: Sequence,
-          input_placements: Sequence | None = None, output_placements: Sequence | None = None,
-          tp_dim: int | str | None = None, training: bool = False,
-          cost_model: CostModel | None = None) -> ShardedProgram:
-    """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
-
-    ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and applies
-    to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.  Plain callables
-    take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
-    """
-    if training:
-        raise NotImplementedError("fxshard.shard(training=True): joint forward+backward sharding is not built "
-                                  "yet; shard the forward (training=False)")
+def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | None = None,
+            tp_dim: int | str | None = None, cost_model=None) -> Captured:
+    """Stage 1: trace to an ATen graph; module boundaries the plan names are marked."""
     device_mesh = None if isinstance(mesh, MeshSpec) else mesh
     mesh = MeshSpec.from_device_mesh(mesh)
     cm = cost_model or CostModel(mesh)
@@ -37,19 +44,140 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     if plan:
         constraints = resolve_plan(plan, model if isinstance(model, nn.Module) else None, mesh, tp_dim)
     else:
-        constraints = PlanConstraints(dim=plan_dim(mesh, tp_dim) if (tp_dim is not None or mesh.ndim == 1
-                                                                     or (mesh.names and "tp" in mesh.names))
-                                      else None)
+        default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
+        constraints = PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)
+    c = _capture(model, example_inputs, boundaries=constraints.hooked)
+    c.mesh, c.device_mesh, c.constraints, c.cost_model = mesh, device_mesh, constraints, cm
+    return c
+
+
+def annotate(captured: Captured, *, input_placements: Sequence | None = None,
+             output_placements: Sequence | None = None) -> Captured:
+    """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance."""
+    mesh = captured.mesh
     for what, pls in (("input_placements", input_placements), ("output_placements", output_placements)):
         if pls is not None:
             for i, p in enumerate(pls):
                 if p is not None and len(tuple(p)) != mesh.ndim:
                     raise ValueError(f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
                                      f"{mesh.shape}; give one placement per mesh dim")
-    captured = capture(model, example_inputs, boundaries=constraints.hooked)
-    warnings = annotate(captured.gm, mesh, constraints, cost_model=cm, input_placements=input_placements,
-                        output_placements=output_placements)
-    insert_redistributes(captured.gm, cm)
-    prog = ShardedProgram(captured.gm, captured, mesh, cm, warnings, device_mesh)
+    captured.warnings = _annotate.annotate(captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
+                                           input_placements=input_placements, output_placements=output_placements)
+    captured.stage = "annotated"
+    return captured
+
+
+def set_placement(node: fx.Node, placements: Sequence, *, cost_model=None) -> None:
+    """Force a node's output placements between ``annotate`` and ``redistribute``.
+
+    The node takes the cheapest strategy its sharding rule allows with exactly that output (its
+    inputs are redistributed as needed); consumers keep what they asked for, so ``redistribute``
+    inserts whatever the change costs.  Raises if the rule allows no such strategy."""
+    rec = info(node)
+    if rec.spec is None:
+        raise ValueError(f"set_placement({node.name}): annotate the graph first")
+    if rec.kind == "redistribute":
+        raise ValueError(f"set_placement({node.name}): redistribute nodes are placed by their plan; edit the "
+                         f"producer or consumer instead (or set placements before redistribute)")
+    mesh = (rec.spec[0] if isinstance(rec.spec, tuple) else rec.spec).mesh
+    want = ShardingSpec.make(mesh, placements, tuple(node.meta["val"].shape), node.meta["val"].dtype,
+                             what=f"set_placement({node.name})")
+    if node.op == "placeholder" or rec.kind == "boundary":
+        rec.spec = want
+        if rec.kind == "boundary":
+            rec.input_specs = (want,)
+        rec.provenance = "set_placement"
+        return
+    ann = _annotate.Annotator(mesh, cost_model or CostModel(mesh), PlanConstraints(dim=None), None, None)
+    targs = _annotate.tensor_args(node)
+    cur = [info(a).spec for a in targs]
+    best = None
+    for ins, outs in ann.candidates(node, cur) or []:
+        if not outs or outs[0] is None or tuple(_annotate._normalize(p, len(want.shape)) for p in outs[0]) \
+                != want.placements:
+            continue
+        specs = ann._specs_for(ins, targs, cur)
+        if specs is None:
+            continue
+        c = sum(ann.cost(a, b) for a, b in zip(cur, specs))
+        if best is None or c < best[0]:
+            best = (c, specs)
+    if best is None:
+        raise ValueError(f"set_placement({node.name}): the sharding rule of {node.target} allows no strategy with "
+                         f"output {want}")
+    rec.input_specs, rec.spec, rec.provenance = best[1], want, "set_placement"
+
+
+def redistribute(captured: Captured) -> Captured:
+    """Stage 3: explicit redistribute nodes wherever a consumer needs other placements."""
+    if captured.stage != "annotated":
+        raise ValueError(f"redistribute: expected an annotated program, got one that is {captured.stage}")
+    insert_redistributes(captured.gm, captured.cost_model)
+    captured.stage = "redistributed"
+    return captured
+
+
+def program(captured: Captured, *, after_lower: Sequence[Callable] = ()) -> ShardedProgram:
+    """The ShardedProgram of a redistributed graph (it lowers to the per-rank graph on demand)."""
+    if captured.stage != "redistributed":
+        raise ValueError(f"program: expected a redistributed program, got one that is {captured.stage}")
+    prog = ShardedProgram(captured.gm, captured, captured.mesh, captured.cost_model, captured.warnings,
+                          captured.device_mesh, after_lower=tuple(after_lower))
     log_program(prog)
     return prog
+
+
+def lower(captured_or_program) -> fx.GraphModule:
+    """Stage 4: the per-rank graph (local shapes, functional collectives, coordinate input)."""
+    prog = captured_or_program if isinstance(captured_or_program, ShardedProgram) else program(captured_or_program)
+    return prog.local_graph
+
+
+def _passes_at(passes, point):
+    out = []
+    for p in passes or ():
+        stage, fn = (p if isinstance(p, tuple) else (getattr(p, "stage", None), p))
+        if point is None:
+            if stage not in PASS_POINTS:
+                raise ValueError(f"pass {fn!r}: stage {stage!r} is not one of {PASS_POINTS} (give (stage, fn) "
+                                 f"or set fn.stage)")
+            continue
+        if stage not in PASS_POINTS:
+            raise ValueError(f"pass {fn!r}: stage {stage!r} is not one of {PASS_POINTS} (give (stage, fn) or set "
+                             f"fn.stage)")
+        if stage == point:
+            out.append(fn)
+    return out
+
+
+def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, example_inputs: Sequence,
+          input_placements: Sequence | None = None, output_placements: Sequence | None = None,
+          tp_dim: int | str | None = None, training: bool = False, cost_model=None,
+          passes: Sequence | None = None) -> ShardedProgram:
+    """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
+
+    ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and applies
+    to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.  Plain callables
+    take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
+    ``passes``: ``(stage, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
+    points of the pipeline (see ``PASS_POINTS``).
+    """
+    if training:
+        raise NotImplementedError("fxshard.shard(training=True): joint forward+backward sharding is not built "
+                                  "yet; shard the forward (training=False)")
+    for p in passes or ():
+        _passes_at([p], None)  # validate every pass up front
+    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model)
+    annotate(c, input_placements=input_placements, output_placements=output_placements)
+    for fn in _passes_at(passes, "after_annotate"):
+        fn(c.gm, c)
+    redistribute(c)
+    for point in ("after_redistribute", "after_fuse"):
+        for fn in _passes_at(passes, point):
+            fn(c.gm, c)
+            c.gm.graph.lint()
+            c.gm.recompile()
+    return program(c, after_lower=_passes_at(passes, "after_lower"))
+
+
+__all__ = ["capture", "annotate", "set_placement", "redistribute", "program", "lower", "shard", "PASS_POINTS"]

@@ -102,6 +102,40 @@ class CostModel:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVES}")
 
 
+_PROBE_BYTES = float(1 << 20)
+_probed: dict = {}
+
+
+def planner_tables(cost_model) -> tuple[dict, dict]:
+    """Per-mesh-dim latency and µs-per-byte tables for the planner.
+
+    ``CostModel`` has them exactly.  Any other object works if it has ``mesh`` (a MeshSpec) and
+    ``collective(kind, mesh_dims, local_bytes) -> µs``: the planner then probes it at 0 and 1 MiB
+    per collective and mesh dim and treats it as affine in bytes (what the search assumes)."""
+    tables = getattr(cost_model, "planner_tables", None)
+    if tables is not None:
+        return tables
+    key = id(cost_model)
+    hit = _probed.get(key)
+    if hit is not None and hit[0] is cost_model:
+        return hit[1]
+    if not hasattr(cost_model, "collective") or not hasattr(cost_model, "mesh"):
+        raise TypeError(f"a cost model needs .mesh and .collective(kind, mesh_dims, local_bytes); "
+                        f"{type(cost_model).__name__} has not")
+    lat, fac = {}, {}
+    for kind in COLLECTIVES:
+        for m in range(cost_model.mesh.ndim):
+            a = float(cost_model.collective(kind, (m,), 0.0))
+            b = float(cost_model.collective(kind, (m,), _PROBE_BYTES))
+            if a < 0 or b < a:
+                raise ValueError(f"cost model {type(cost_model).__name__}: {kind} on mesh dim {m} must cost >= 0 "
+                                 f"and not less for more bytes (got {a} us for 0 B, {b} us for 1 MiB)")
+            lat[kind, m] = a
+            fac[kind, m] = (b - a) / _PROBE_BYTES
+    _probed[key] = (cost_model, (lat, fac))
+    return lat, fac
+
+
 def torch_compatible(mesh: MeshSpec) -> CostModel:
     """torch's cost model, +1 µs all-to-all placeholder included (for like-for-like comparisons)."""
     return CostModel(mesh, alltoall_penalty_us=1.0)

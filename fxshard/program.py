@@ -27,7 +27,7 @@ class Collective:
 
 class ShardedProgram:
     def __init__(self, gm: fx.GraphModule, captured: Captured, mesh: MeshSpec, cost_model: CostModel,
-                 warnings: list[str], device_mesh=None):
+                 warnings: list[str], device_mesh=None, after_lower=()):
         self.graph = gm
         self.captured = captured
         self.mesh = mesh
@@ -35,13 +35,19 @@ class ShardedProgram:
         self.warnings = warnings
         self.device_mesh = device_mesh
         self._local = None
+        self.after_lower = tuple(after_lower)
 
     # ---- views ----------------------------------------------------------------------------------
     @property
     def local_graph(self) -> fx.GraphModule:
         """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
         if self._local is None:
-            self._local = lower_to_local(self.graph, self.mesh.ndim)
+            local = lower_to_local(self.graph, self.mesh.ndim)
+            for fn in self.after_lower:
+                fn(local, self)
+                local.graph.lint()
+                local.recompile()
+            self._local = local
         return self._local
 
     def redistribute_nodes(self) -> list[fx.Node]:

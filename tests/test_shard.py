@@ -156,6 +156,20 @@ def test_two_d_mesh_plan_needs_names():
         fxshard.shard(MLP(), fxshard.MeshSpec((2, 2)), mlp_plan(), example_inputs=example_input(MLP()))
 
 
+def test_op_without_rule_warns_and_replicates(caplog):
+    boundaries = torch.tensor([-1.0, 0.0, 0.5, 2.0])
+
+    def f(x):
+        return torch.searchsorted(boundaries, x * 2).float() + x
+
+    x = torch.randn(8, 4)
+    with caplog.at_level(logging.WARNING, logger="fxshard"):
+        prog = fxshard.shard(f, M1_2, example_inputs=(x,), input_placements=[(Shard(0),)])
+    assert "aten.searchsorted.Tensor" in caplog.text and "has no sharding rule" in caplog.text
+    assert "test_shard.py" in caplog.text  # names the source line
+    torch.testing.assert_close(prog.simulate(x), f(x))
+
+
 @torch.library.custom_op("fxshard_test::cumulative", mutates_args=())
 def cumulative(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) * 1.5
@@ -166,13 +180,7 @@ def _(x):
     return torch.empty_like(x)
 
 
-def test_op_without_rule_warns_and_replicates(caplog):
-    def f(x):
-        return cumulative(x * 2) + 1
-
-    x = torch.randn(8, 4)
-    with caplog.at_level(logging.WARNING, logger="fxshard"):
-        prog = fxshard.shard(f, M1_2, example_inputs=(x,), input_placements=[(Shard(0),)])
-    assert "fxshard_test.cumulative.default" in caplog.text and "has no sharding rule" in caplog.text
-    assert "test_shard.py" in caplog.text  # names the source line
-    torch.testing.assert_close(prog.simulate(x), f(x))
+def test_custom_op_without_rule_is_an_error():
+    with pytest.raises(ValueError, match=r"custom op with no sharding rule; register one, e.g. fxshard.register_rule"):
+        fxshard.shard(lambda x: cumulative(x * 2) + 1, M1_2, example_inputs=(torch.randn(8, 4),),
+                      input_placements=[(Shard(0),)])

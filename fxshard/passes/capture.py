@@ -49,10 +49,18 @@ def info(node: fx.Node) -> NodeInfo:
 
 @dataclass
 class Captured:
+    """A captured program and everything the later stages need (passed from stage to stage)."""
+
     gm: fx.GraphModule
     state: dict[str, torch.Tensor]  # parameters, buffers and constants by FQN
     num_inputs: int
     model: nn.Module | None
+    mesh: object = None  # MeshSpec
+    device_mesh: object = None  # DeviceMesh, when one was given
+    constraints: object = None  # PlanConstraints
+    cost_model: object = None
+    warnings: list = field(default_factory=list)
+    stage: str = "captured"  # captured -> annotated -> redistributed
 
 
 class _FnModule(nn.Module):

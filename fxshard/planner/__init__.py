@@ -73,6 +73,13 @@ class RedistributePlan:
                 out.append((step, self.src.nbytes // shards))
         return out
 
+    def then(self, other: RedistributePlan) -> RedistributePlan:
+        """This plan followed by ``other`` (which must start where this one ends)."""
+        if other.src.levels != self.dst.levels or other.partials[0] != self.partials[-1]:
+            raise ValueError(f"cannot chain {self} with {other}: it starts at {other.src}, not {self.dst}")
+        return RedistributePlan(self.src, other.dst, self.steps + other.steps, self.levels + other.levels[1:],
+                                self.partials + other.partials[1:], self.cost + other.cost)
+
     def __str__(self) -> str:
         path = " -> ".join(placements_str(levels_to_placements(lv, part, self.src.mesh.ndim), lv)
                            for lv, part in zip(self.levels, self.partials))

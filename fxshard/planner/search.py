@@ -29,7 +29,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from ..cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+from ..cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, planner_tables
 
 # Move kinds (also the executor's step kinds).
 AG, A2A, SHARD, MAKE_PARTIAL, AR, RS = "all_gather", "all_to_all", "shard", "partial", "all_reduce", "reduce_scatter"
@@ -69,7 +69,7 @@ class Problem:
         self.start_pa, self.start_pb = (0, smask) if same_op else (smask, 0)
         both_linear = src_op in LINEAR_OPS + (None,) and dst_op in LINEAR_OPS + (None,)
         self.mix_ok = same_op or both_linear
-        self.lat, self.fac = cost_model.planner_tables
+        self.lat, self.fac = planner_tables(cost_model)
         # dst location of each mesh dim
         self.dst_where = {}
         for d, lv in enumerate(dst_levels):
