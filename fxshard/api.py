@@ -34,7 +34,7 @@ PASS_POINTS = ("after_annotate", "after_redistribute", "after_fuse", "after_lowe
 
 
 def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | None = None,
-            tp_dim: int | str | None = None, cost_model=None) -> Captured:
+            tp_dim: int | str | None = None, cost_model=None, fuse: bool = True) -> Captured:
     """Stage 1: trace to an ATen graph; module boundaries the plan names are marked."""
     device_mesh = None if isinstance(mesh, MeshSpec) else mesh
     mesh = MeshSpec.from_device_mesh(mesh)
@@ -47,7 +47,7 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan
         default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
         constraints = PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)
     c = _capture(model, example_inputs, boundaries=constraints.hooked)
-    c.mesh, c.device_mesh, c.constraints, c.cost_model = mesh, device_mesh, constraints, cm
+    c.mesh, c.device_mesh, c.constraints, c.cost_model, c.fuse = mesh, device_mesh, constraints, cm, fuse
     return c
 
 
@@ -62,7 +62,8 @@ def annotate(captured: Captured, *, input_placements: Sequence | None = None,
                     raise ValueError(f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
                                      f"{mesh.shape}; give one placement per mesh dim")
     captured.warnings = _annotate.annotate(captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
-                                           input_placements=input_placements, output_placements=output_placements)
+                                           input_placements=input_placements, output_placements=output_placements,
+                                           fuse=captured.fuse)
     captured.stage = "annotated"
     return captured
 
@@ -112,7 +113,7 @@ def redistribute(captured: Captured) -> Captured:
     """Stage 3: explicit redistribute nodes wherever a consumer needs other placements."""
     if captured.stage != "annotated":
         raise ValueError(f"redistribute: expected an annotated program, got one that is {captured.stage}")
-    insert_redistributes(captured.gm, captured.cost_model)
+    insert_redistributes(captured.gm, captured.cost_model, fuse=captured.fuse)
     captured.stage = "redistributed"
     return captured
 
@@ -153,21 +154,22 @@ def _passes_at(passes, point):
 def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, example_inputs: Sequence,
           input_placements: Sequence | None = None, output_placements: Sequence | None = None,
           tp_dim: int | str | None = None, training: bool = False, cost_model=None,
-          passes: Sequence | None = None) -> ShardedProgram:
+          passes: Sequence | None = None, fuse: bool = True) -> ShardedProgram:
     """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
 
     ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and applies
     to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.  Plain callables
     take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
     ``passes``: ``(stage, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
-    points of the pipeline (see ``PASS_POINTS``).
+    points of the pipeline (see ``PASS_POINTS``).  ``fuse``: let the planner use one collective over
+    several mesh dims (a flattened group) where that is cheaper.
     """
     if training:
         raise NotImplementedError("fxshard.shard(training=True): joint forward+backward sharding is not built "
                                   "yet; shard the forward (training=False)")
     for p in passes or ():
         _passes_at([p], None)  # validate every pass up front
-    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model)
+    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model, fuse=fuse)
     annotate(c, input_placements=input_placements, output_placements=output_placements)
     for fn in _passes_at(passes, "after_annotate"):
         fn(c.gm, c)

@@ -36,6 +36,7 @@ class ShardedProgram:
         self.device_mesh = device_mesh
         self._local = None
         self.after_lower = tuple(after_lower)
+        self.bucketed = 0  # collectives removed by bucketing in the per-rank graph
 
     # ---- views ----------------------------------------------------------------------------------
     @property
@@ -43,6 +44,10 @@ class ShardedProgram:
         """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
         if self._local is None:
             local = lower_to_local(self.graph, self.mesh.ndim)
+            if getattr(self.captured, "fuse", False):
+                from .passes.fuse import bucket_collectives
+
+                self.bucketed = bucket_collectives(local)
             for fn in self.after_lower:
                 fn(local, self)
                 local.graph.lint()

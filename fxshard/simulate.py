@@ -31,9 +31,10 @@ class ReplicaMismatch(AssertionError):
 class SimulatedMesh:
     def __init__(self, shape: Sequence[int], names: Sequence[str] | None = None):
         self.shape = tuple(shape)
-        self.names = tuple(names) if names else None
+        # flattened groups (fused collectives) need named dims; name them if the caller did not
+        self.names = tuple(names) if names else tuple(f"d{i}" for i in range(len(self.shape)))
         self.world = math.prod(self.shape)
-        self.spec = MeshSpec(self.shape, self.names)
+        self.spec = MeshSpec(self.shape, tuple(names) if names else None)
         self._owns_pg = False
         self._mode = None
 

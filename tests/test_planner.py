@@ -23,7 +23,7 @@ R, P = Replicate(), Partial()
 
 # ---- an independent, unrestricted Dijkstra (no heuristic, no symmetry or ordering shortcuts) ------
 
-def brute_force_cost(mesh: fxshard.MeshSpec, src, dst, shape, cm: CostModel, src_order=None):
+def brute_force_cost(mesh: fxshard.MeshSpec, src, dst, shape, cm: CostModel, src_order=None, fuse=False):
     s = ShardingSpec.make(mesh, src, shape, shard_order=src_order)
     d = ShardingSpec.make(mesh, dst, shape)
     ops = {p.reduce_op for p in (*src, *dst) if isinstance(p, Partial)}
@@ -54,6 +54,24 @@ def brute_force_cost(mesh: fxshard.MeshSpec, src, dst, shape, cm: CostModel, src
                     if t2 != t:
                         ns = popped[:t2] + (popped[t2] + ((m, 1),),) + popped[t2 + 1:]
                         nxt.append(((ns, part), cm.collective("all_to_all", (m,), n)))
+        if fuse:  # one collective over several mesh dims
+            for t, lv in enumerate(stacks):
+                for j in range(2, len(lv) + 1):
+                    top, rest = lv[-j:], lv[:-j]
+                    dims = tuple(sorted(m for m, _ in top))
+                    popped = stacks[:t] + (rest,) + stacks[t + 1:]
+                    nxt.append(((popped, part), cm.collective("all_gather", dims, n)))
+                    for t2 in range(len(stacks)):
+                        if t2 != t:
+                            ns = popped[:t2] + (popped[t2] + top,) + popped[t2 + 1:]
+                            nxt.append(((ns, part), cm.collective("all_to_all", dims, n)))
+            for r in range(2, len(part) + 1):
+                for sub in itertools.combinations(sorted(part), r):
+                    nxt.append(((stacks, part - set(sub)), cm.collective("all_reduce", sub, n)))
+                    for order in itertools.permutations(sub):
+                        for t2 in range(len(stacks)):
+                            ns = stacks[:t2] + (stacks[t2] + tuple((m, 1) for m in order),) + stacks[t2 + 1:]
+                            nxt.append(((ns, part - set(sub)), cm.collective("reduce_scatter", sub, n)))
         busy = {m for lv in stacks for m, _ in lv} | part
         for m in range(len(k)):
             if m in part:
@@ -79,8 +97,9 @@ def _random_pl(rng, mesh_ndim, ndim):
     return tuple(rng.choice(opts) for _ in range(mesh_ndim))
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4), (2, 2, 2), (4, 2, 2)])
-def test_astar_matches_brute_force(mesh_shape):
+def test_astar_matches_brute_force(mesh_shape, fuse):
     rng = random.Random(hash(mesh_shape) & 0xFFFF)
     mesh = fxshard.MeshSpec(mesh_shape, devices_per_host=4)
     cm = CostModel(mesh)
@@ -88,9 +107,12 @@ def test_astar_matches_brute_force(mesh_shape):
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice([8, 64, 512, 96]) for _ in range(ndim))
         src, dst = _random_pl(rng, len(mesh_shape), ndim), _random_pl(rng, len(mesh_shape), ndim)
-        plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False)
-        ref = brute_force_cost(mesh, src, dst, shape, cm)
+        plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False, fuse=fuse)
+        ref = brute_force_cost(mesh, src, dst, shape, cm, fuse=fuse)
         assert plan.cost == pytest.approx(ref, rel=1e-9, abs=1e-9), (src, dst, shape, str(plan))
+        if fuse:
+            unfused = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False)
+            assert plan.cost <= unfused.cost + 1e-9
 
 
 def test_never_worse_than_torch_graph_planner():

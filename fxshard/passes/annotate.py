@@ -68,9 +68,10 @@ def _where(rec) -> str:
 
 class Annotator:
     def __init__(self, mesh: MeshSpec, cost_model: CostModel, constraints: PlanConstraints,
-                 input_placements: Sequence | None, output_placements: Sequence | None):
+                 input_placements: Sequence | None, output_placements: Sequence | None, fuse: bool = False):
         self.mesh = mesh
         self.cm = cost_model
+        self.fuse = fuse
         self.cons = constraints
         self.input_placements = input_placements
         self.output_placements = output_placements
@@ -91,7 +92,7 @@ class Annotator:
     def cost(self, src: ShardingSpec, dst: ShardingSpec) -> float:
         if src.levels == dst.levels and src.placements == dst.placements:
             return 0.0
-        return plan_between(src, dst, self.cm, even_only=True).cost
+        return plan_between(src, dst, self.cm, even_only=True, fuse=self.fuse).cost
 
     def dp_default(self, val) -> list:
         """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh dim."""
@@ -318,9 +319,9 @@ def _shape_key(x):
 
 
 def annotate(gm: fx.GraphModule, mesh: MeshSpec, constraints: PlanConstraints, *, cost_model: CostModel | None = None,
-             input_placements=None, output_placements=None) -> list[str]:
+             input_placements=None, output_placements=None, fuse: bool = False) -> list[str]:
     """Fill ``node.meta["fxshard"]`` with placements for every node; returns the warnings."""
-    a = Annotator(mesh, cost_model or CostModel(mesh), constraints, input_placements, output_placements)
+    a = Annotator(mesh, cost_model or CostModel(mesh), constraints, input_placements, output_placements, fuse)
     for node in gm.graph.nodes:
         rec = info(node)
         if node.op == "placeholder":

@@ -61,6 +61,7 @@ class Captured:
     cost_model: object = None
     warnings: list = field(default_factory=list)
     stage: str = "captured"  # captured -> annotated -> redistributed
+    fuse: bool = True  # plan collectives over flattened mesh dims where that is cheaper
 
 
 class _FnModule(nn.Module):

@@ -32,8 +32,17 @@ COLLECTIVE_OPS = {torch.ops._c10d_functional.all_gather_into_tensor.default,
                   torch.ops._c10d_functional.all_to_all_single.default}
 
 
-def placeholder_group_names(ndim: int) -> tuple[str, ...]:
-    return tuple(f"fxshard_mesh_dim_{m}" for m in range(ndim))
+class PlaceholderGroups:
+    """Stand-in group names (``fxshard_mesh_dim_0``, ``fxshard_mesh_dims_0_1``) until ``bind_groups``."""
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return f"fxshard_mesh_dim_{key}"
+        return "fxshard_mesh_dims_" + "_".join(map(str, key))
+
+
+def placeholder_group_names(ndim: int) -> PlaceholderGroups:
+    return PlaceholderGroups()
 
 
 def local_shape(spec) -> tuple[int, ...]:
@@ -59,6 +68,10 @@ class _LocalInterpreter(fx.Interpreter):
             i = _SIZE_ARG_OPS[n.target]
             args = list(args)
             args[i] = list(local_shape(rec.spec))
+            if n.target in (aten.view.default, aten._unsafe_view.default):
+                # The global graph only views where the global layout allows it; local kernels (e.g.
+                # attention on shards) may return other strides, so let reshape copy when it must.
+                return aten.reshape.default(*args, **kwargs)
             return n.target(*args, **kwargs)
         if n.op == "call_function" and rec.extra.get("vocab_dims"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -83,7 +96,7 @@ def _vocab_parallel_embedding(weight, indices, wspec, coord):
 
 def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, groups=None) -> fx.GraphModule:
     """The per-rank graph: inputs ``(coord, *local placeholders)``, outputs local shards."""
-    groups = tuple(groups) if groups is not None else placeholder_group_names(mesh_ndim)
+    groups = groups if groups is not None else placeholder_group_names(mesh_ndim)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(coord, *args):
@@ -113,6 +126,9 @@ def bind_groups(local: fx.GraphModule, groups) -> fx.GraphModule:
             name = n.args[-1]
             if isinstance(name, str) and name.startswith("fxshard_mesh_dim_"):
                 n.args = (*n.args[:-1], groups[int(name.rsplit("_", 1)[1])])
+            elif isinstance(name, str) and name.startswith("fxshard_mesh_dims_"):
+                dims = tuple(int(x) for x in name[len("fxshard_mesh_dims_"):].split("_"))
+                n.args = (*n.args[:-1], groups[dims])
     out.recompile()
     return out
 

@@ -25,7 +25,7 @@ def _same(a, b) -> bool:
     return a.placements == b.placements and a.levels == b.levels
 
 
-def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None) -> int:
+def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None, fuse: bool = False) -> int:
     """Insert redistribute nodes; returns how many were inserted."""
     count = 0
     cache: dict[tuple, fx.Node] = {}
@@ -52,7 +52,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 r.meta["val"] = arg.meta.get("val")
                 rr = info(r)
                 rr.kind = "redistribute"
-                rr.plan = plan_between(have, want, cost_model, even_only=True)
+                rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
                 rr.spec = want
                 rr.input_specs = (have,)
                 rr.module = info(node).module

@@ -107,13 +107,16 @@ def plan_redistribute(
     cost_model: CostModel | None = None,
     cache: bool = True,
     even_only: bool = False,
+    fuse: bool = False,
 ) -> RedistributePlan:
     """The cheapest sequence of collectives taking a tensor from ``src`` to ``dst`` placements.
 
     ``mesh`` is a ``MeshSpec`` or ``DeviceMesh``; ``src_order`` / ``dst_order`` give non-default
     shard orders as ``{tensor_dim: (mesh_dim, ...)}`` or ``ShardOrderEntry`` tuples.
     ``even_only=True`` keeps every intermediate state evenly sharded (needed to trace the plan into
-    one rank-agnostic graph); src and dst must then be even too.
+    one rank-agnostic graph); src and dst must then be even too.  ``fuse=True`` also considers one
+    collective over several mesh dims (a flattened group paying one base latency); such steps have
+    ``len(step.mesh_dims) > 1``.
     """
     mesh = MeshSpec.from_device_mesh(mesh)
     shape = tuple(int(s) for s in shape)
@@ -122,21 +125,22 @@ def plan_redistribute(
     cm = cost_model or CostModel(mesh)
     if cm.mesh.shape != mesh.shape:
         raise ValueError(f"cost model is for mesh {cm.mesh.shape}, plan is on mesh {mesh.shape}")
-    return (_plan_cached if cache else _plan)(s, d, cm, even_only)
+    return (_plan_cached if cache else _plan)(s, d, cm, even_only, fuse)
 
 
 def plan_between(src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | None = None,
-                 cache: bool = True, even_only: bool = False) -> RedistributePlan:
+                 cache: bool = True, even_only: bool = False, fuse: bool = False) -> RedistributePlan:
     """Plan between two ``ShardingSpec``s of the same value."""
     if src.mesh.shape != dst.mesh.shape or src.shape != dst.shape:
         raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {dst.mesh}/{dst.shape}")
     cm = cost_model or CostModel(src.mesh)
-    return (_plan_cached if cache else _plan)(src, dst, cm, even_only)
+    return (_plan_cached if cache else _plan)(src, dst, cm, even_only, fuse)
 
 
 @lru_cache(maxsize=16384)
-def _plan_cached(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool) -> RedistributePlan:
-    return _plan(src, dst, cm, even_only)
+def _plan_cached(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool,
+                 fuse: bool = False) -> RedistributePlan:
+    return _plan(src, dst, cm, even_only, fuse)
 
 
 def _partials(spec: ShardingSpec) -> dict[int, str]:
@@ -154,26 +158,30 @@ def _moved_placement(levels, part, m):
     return Replicate()
 
 
-def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False) -> RedistributePlan:
+def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False,
+          fuse: bool = False) -> RedistributePlan:
     mesh = src.mesh
     sp, dp = _partials(src), _partials(dst)
     if src.levels == dst.levels and sp == dp:
         return RedistributePlan(src, dst, (), (src.levels,), (sp,), 0.0)
     problem = Problem(cm, mesh.shape, src.levels, dst.levels, tuple(sp), tuple(dp),
-                      src.partial_op, dst.partial_op, src.nbytes, src.shape, even_only)
+                      src.partial_op, dst.partial_op, src.nbytes, src.shape, even_only, fuse)
     total, moves, states = solve(problem)
     steps, levels, partials = [], [src.levels], [dict(sp)]
     part = dict(sp)
     for (move, c), (stacks, _pa, _pb), prev in zip(moves, states[1:], states[:-1]):
-        m = move.mesh_dim
-        before = _moved_placement(prev[0], part, m)
+        dims = move.mesh_dims
+        before = tuple(_moved_placement(prev[0], part, m) for m in dims)
         part = dict(part)
-        if move.kind in (AR, RS):
-            part.pop(m)
-        elif move.kind == MAKE_PARTIAL:
-            part[m] = dst.partial_op
-        after = _moved_placement(stacks, part, m)
-        steps.append(Step((m,), before, after, _COLLECTIVE[move.kind], c, move))
+        for m in dims:
+            if move.kind in (AR, RS):
+                part.pop(m)
+            elif move.kind == MAKE_PARTIAL:
+                part[m] = dst.partial_op
+        after = tuple(_moved_placement(stacks, part, m) for m in dims)
+        if not move.fused:
+            before, after = before[0], after[0]
+        steps.append(Step(tuple(sorted(dims)), before, after, _COLLECTIVE[move.kind], c, move))
         levels.append(stacks)
         partials.append(part)
     return RedistributePlan(src, dst, tuple(steps), tuple(levels), tuple(partials), total)

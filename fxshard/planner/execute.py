@@ -16,7 +16,8 @@ chunk of their group and trimmed afterwards; strided levels are permuted locally
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from functools import lru_cache
 
 import torch
 
@@ -28,9 +29,30 @@ from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD
 _F = torch.ops._c10d_functional
 
 
-def group_names(device_mesh) -> tuple[str, ...]:
-    """The process-group name of every mesh dim of a ``DeviceMesh``."""
-    return tuple(device_mesh.get_group(m).group_name for m in range(device_mesh.ndim))
+class MeshGroups:
+    """Process-group names of a ``DeviceMesh``: ``groups[m]`` for mesh dim ``m``, ``groups[(a, b)]``
+    for the flattened group over several dims (created on first use, cached by DeviceMesh)."""
+
+    def __init__(self, device_mesh):
+        self.device_mesh = device_mesh
+
+    def __getitem__(self, key):
+        dm = self.device_mesh
+        if isinstance(key, int):
+            return dm.get_group(key).group_name
+        names = dm.mesh_dim_names
+        if names is None:
+            raise ValueError("a fused collective over several mesh dims needs a DeviceMesh with mesh_dim_names")
+        sub = dm[tuple(names[m] for m in key)]
+        return sub._flatten().get_group(0).group_name
+
+    def __len__(self):
+        return self.device_mesh.ndim
+
+
+def group_names(device_mesh) -> MeshGroups:
+    """The process-group names of a ``DeviceMesh`` (per mesh dim, and flattened groups)."""
+    return MeshGroups(device_mesh)
 
 
 def mesh_coordinate(device_mesh):
@@ -41,11 +63,12 @@ def mesh_coordinate(device_mesh):
     return tuple(c)
 
 
-def execute_plan(plan: RedistributePlan, local: torch.Tensor, groups: Sequence[str], coord) -> torch.Tensor:
+def execute_plan(plan: RedistributePlan, local: torch.Tensor, groups, coord) -> torch.Tensor:
     """Apply every step of ``plan`` to ``local`` (this rank's shard of ``plan.src``).
 
-    ``groups[m]`` is the process-group name of mesh dim ``m``; ``coord`` is this rank's mesh
-    coordinate: a tuple of ints (or per-rank SymInts) eagerly, an int64 tensor when tracing.
+    ``groups[m]`` is the process-group name of mesh dim ``m`` (``groups[(a, b)]`` of the flattened
+    group of several dims, for fused steps); ``coord`` is this rank's mesh coordinate: a tuple of ints
+    (or per-rank SymInts) eagerly, an int64 tensor when tracing.
     """
     mesh_shape = plan.src.mesh.shape
     if isinstance(coord, torch.Tensor):
@@ -53,42 +76,75 @@ def execute_plan(plan: RedistributePlan, local: torch.Tensor, groups: Sequence[s
     x = local
     for step, before, part in zip(plan.steps, plan.levels[:-1], plan.partials[:-1]):
         mv = step.move
-        m = mv.mesh_dim
-        k = mesh_shape[m]
-        gname = groups[m]
+        dims = step.mesh_dims  # sorted: the flattened group's rank order is row-major over them
+        k = math.prod(mesh_shape[m] for m in dims)
+        gname = groups[dims[0]] if len(dims) == 1 else groups[dims]
+        op = part.get(dims[0])
         if mv.kind == SHARD:
-            x = _shard_local(x, coord, m, k, mv.dst_dim, mv.sf)
+            x = _shard_local(x, coord, mv.mesh_dim, k, mv.dst_dim, mv.sf)
         elif mv.kind == MAKE_PARTIAL:
             if step.dst.reduce_op == "sum":  # one rank keeps the value, the others contribute zero
-                x = _keep_on_coord0(x, coord, m)
+                x = _keep_on_coord0(x, coord, mv.mesh_dim)
         elif mv.kind == AR:
-            x = _F.wait_tensor(_F.all_reduce(x, _wire_op(part[m]), gname))
-            x = _finish_avg(x, part[m], k)
+            x = _F.wait_tensor(_F.all_reduce(x, _wire_op(op), gname))
+            x = _finish_avg(x, op, k)
         elif mv.kind == RS:
-            buf = _rs_pack(x, mv.dst_dim, k, mv.sf)
-            out = _F.wait_tensor(_F.reduce_scatter_tensor(buf, _wire_op(part[m]), k, gname))
-            x = _finish_avg(_rs_unpack(out, coord, m, k, mv.dst_dim, mv.sf, x.size(mv.dst_dim)), part[m], k)
+            levels = tuple((m, mv.sf) for m in mv.mesh_dims)
+            buf = _rs_pack(x, mv.dst_dim, levels, mesh_shape)
+            out = _F.wait_tensor(_F.reduce_scatter_tensor(buf, _wire_op(op), k, gname))
+            x = _finish_avg(_rs_unpack(out, coord, mv.dst_dim, levels, x.size(mv.dst_dim), mesh_shape), op, k)
         else:
             d = mv.src_dim
-            sf = before[d][-1][1]
-            # extent of tensor dim d across the group = before its innermost level
-            ext = (plan.src.shape[d], before[d][:-1], mesh_shape)
+            j = len(mv.mesh_dims)
+            levels = before[d][-j:]  # the levels that leave tensor dim d, innermost last
+            # extent of tensor dim d across the group = before the levels that leave
+            ext = (plan.src.shape[d], before[d][:-j], mesh_shape)
             if mv.kind == AG:
-                buf = _ag_pack(x, coord, d, k, sf, ext)
+                buf = _ag_pack(x, coord, d, levels, ext)
                 out = _F.wait_tensor(_F.all_gather_into_tensor(buf, k, gname))
-                x = _ag_unpack(out, coord, d, k, sf, ext)
+                x = _ag_unpack(out, coord, d, levels, ext)
             elif mv.kind == A2A and mv.dst_dim != d:
-                buf = _a2a_pack(x, coord, d, mv.dst_dim, k, sf, mv.sf, ext)
-                out = _F.wait_tensor(_F.all_to_all_single(buf, [1] * k, [1] * k, gname))
+                new = levels if mv.fused else ((mv.mesh_dim, mv.sf),)
                 ext2 = (plan.src.shape[mv.dst_dim], before[mv.dst_dim], mesh_shape)
-                x = _a2a_unpack(out, coord, m, d, mv.dst_dim, k, sf, mv.sf, ext, ext2)
+                buf = _a2a_pack(x, coord, d, mv.dst_dim, levels, new, ext)
+                out = _F.wait_tensor(_F.all_to_all_single(buf, [1] * k, [1] * k, gname))
+                x = _a2a_unpack(out, coord, d, mv.dst_dim, levels, new, ext, ext2)
             elif mv.kind == A2A:
+                m, sf = levels[0]
                 buf = _regroup_pack(x, coord, m, d, k, sf, mv.sf, ext)
                 out = _F.wait_tensor(_F.all_to_all_single(buf, [1] * k, [1] * k, gname))
                 x = _regroup_unpack(out, coord, m, d, k, sf, mv.sf, ext)
             else:  # pragma: no cover
                 raise AssertionError(mv.kind)
     return x
+
+
+@lru_cache(maxsize=8192)
+def member_positions(U: int, levels: tuple, mesh_shape: tuple) -> tuple[tuple[int, ...], ...]:
+    """Positions (of an extent of U) each member of the group over the levels' mesh dims keeps, after
+    the levels are applied in order.  Members are numbered row-major over the sorted mesh dims, the
+    rank order of DeviceMesh's (flattened) groups."""
+    dims = sorted(m for m, _ in levels)
+    ks = [mesh_shape[m] for m in dims]
+    out = []
+    for r in range(math.prod(ks)):
+        coords, rest = {}, r
+        for m, kk in zip(reversed(dims), reversed(ks)):
+            coords[m] = rest % kk
+            rest //= kk
+        pos = list(range(U))
+        for m, sf in levels:
+            pos = [pos[p] for p in level_positions(len(pos), mesh_shape[m], sf)[coords[m]]]
+        out.append(tuple(pos))
+    return tuple(out)
+
+
+def _member_index(coord, levels, mesh_shape):
+    """This rank's member number in the group of the levels' mesh dims (int, or tensor if traced)."""
+    r = 0
+    for m in sorted(m for m, _ in levels):
+        r = r * mesh_shape[m] + coord[m]
+    return r
 
 
 def _wire_op(op):
@@ -191,14 +247,14 @@ def _gather_index(pos, P):
 
 
 @per_rank
-def _ag_pack(x, coord, d, k, sf, ext):
-    pos = level_positions(_extent(coord, ext), k, sf)
+def _ag_pack(x, coord, d, levels, ext):
+    pos = member_positions(_extent(coord, ext), levels, ext[2])
     return _pad_to(x.movedim(d, 0), 0, max(len(p) for p in pos)).contiguous()
 
 
 @per_rank
-def _ag_unpack(out, coord, d, k, sf, ext):
-    pos = level_positions(_extent(coord, ext), k, sf)
+def _ag_unpack(out, coord, d, levels, ext):
+    pos = member_positions(_extent(coord, ext), levels, ext[2])
     inv = _gather_index(pos, max(len(p) for p in pos))
     if not _is_identity(inv) or len(inv) != out.size(0):
         out = out.index_select(0, torch.tensor(inv, dtype=torch.long, device=out.device))
@@ -208,8 +264,9 @@ def _ag_unpack(out, coord, d, k, sf, ext):
 # ---- reduce-scatter: lay out each destination's positions contiguously, padded -------------------
 
 @per_rank
-def _rs_pack(x, d, k, sf):
-    pos = level_positions(x.size(d), k, sf)
+def _rs_pack(x, d, levels, mesh_shape):
+    pos = member_positions(x.size(d), levels, mesh_shape)
+    k = len(pos)
     P = max(len(p) for p in pos)
     flat = [u for p in pos for u in p]
     y = x.movedim(d, 0)
@@ -219,32 +276,33 @@ def _rs_pack(x, d, k, sf):
 
 
 @per_rank
-def _rs_unpack(out, coord, m, k, d, sf, U):
+def _rs_unpack(out, coord, d, levels, U, mesh_shape):
     if _traced(coord):  # even: nothing to trim
         return out.movedim(0, d).contiguous()
-    n = len(level_positions(U, k, sf)[coord[m]])
+    n = len(member_positions(U, levels, mesh_shape)[_member_index(coord, levels, mesh_shape)])
     return out.narrow(0, 0, n).movedim(0, d).contiguous()
 
 
 # ---- all-to-all between two tensor dims ------------------------------------------------------------
 
 @per_rank
-def _a2a_pack(x, coord, d, d2, k, sf, sf2, ext):
+def _a2a_pack(x, coord, d, d2, levels, new, ext):
     """Slab s = what destination s keeps along d2, padded to uniform size; stacked on a new dim 0."""
-    pos = level_positions(_extent(coord, ext), k, sf)
-    pos2 = level_positions(x.size(d2), k, sf2)
+    pos = member_positions(_extent(coord, ext), levels, ext[2])
+    pos2 = member_positions(x.size(d2), new, ext[2])
     P1, P2 = max(len(p) for p in pos), max(len(p) for p in pos2)
     slabs = [_pad_to(_pad_to(_take(x, d2, list(p)), d2, P2), d, P1) for p in pos2]
     return torch.stack(slabs, 0).contiguous()
 
 
 @per_rank
-def _a2a_unpack(out, coord, m, d, d2, k, sf, sf2, ext, ext2):
-    pos = level_positions(_extent(coord, ext), k, sf)
+def _a2a_unpack(out, coord, d, d2, levels, new, ext, ext2):
+    pos = member_positions(_extent(coord, ext), levels, ext[2])
+    k = len(pos)
     P1 = max(len(p) for p in pos)
     # out[r]: rank r's positions along d (padded to P1) x my positions along d2 (padded)
-    pos2 = level_positions(_extent(coord, ext2), k, sf2)
-    n2 = len(pos2[0] if _traced(coord) else pos2[coord[m]])
+    pos2 = member_positions(_extent(coord, ext2), new, ext[2])
+    n2 = len(pos2[0] if _traced(coord) else pos2[_member_index(coord, new, ext[2])])
     cat = torch.cat([out[r] for r in range(k)], d).narrow(d2, 0, n2)
     inv = _gather_index(pos, P1)
     if not _is_identity(inv) or len(inv) != cat.size(d):

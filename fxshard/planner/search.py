@@ -26,6 +26,7 @@ empty one is ever pushed onto, which removes symmetric duplicates without losing
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -39,17 +40,25 @@ LINEAR_OPS = ("sum", "avg")
 @dataclass(frozen=True)
 class Move:
     kind: str
-    mesh_dim: int
+    mesh_dim: int | tuple[int, ...]  # a tuple for a fused move: the levels' mesh dims, innermost last
     src_dim: int | None  # tensor dim the level leaves (AG, A2A)
     dst_dim: int | None  # tensor dim the level joins (A2A, SHARD, RS)
     sf: int = 1  # split factor of the level that joins
+
+    @property
+    def fused(self) -> bool:
+        return isinstance(self.mesh_dim, tuple)
+
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        return self.mesh_dim if self.fused else (self.mesh_dim,)
 
 
 class Problem:
     """Everything the search needs, precomputed once per plan."""
 
     def __init__(self, cost_model, mesh_shape, src_levels, dst_levels, src_partial, dst_partial,
-                 src_op, dst_op, global_bytes, shape=None, even_only=False):
+                 src_op, dst_op, global_bytes, shape=None, even_only=False, fuse=False):
         self.k = mesh_shape
         self.M = len(mesh_shape)
         self.T = len(src_levels)
@@ -57,6 +66,10 @@ class Problem:
         # programs need every rank to have the same local shape at every step)
         self.shape = shape
         self.even_only = even_only
+        # fuse: also consider one collective over several mesh dims (a flattened group, one base
+        # latency).  The per-dim bounds then leave the base latency out and it is added once.
+        self.fuse = fuse
+        self.cost_model = cost_model
         self.src_levels = src_levels
         self.dst_levels = dst_levels
         self.g = float(global_bytes)
@@ -70,6 +83,14 @@ class Problem:
         both_linear = src_op in LINEAR_OPS + (None,) and dst_op in LINEAR_OPS + (None,)
         self.mix_ok = same_op or both_linear
         self.lat, self.fac = planner_tables(cost_model)
+        self.base_share = 0.0
+        if fuse:
+            self.base_share = min((v for v in self.lat.values() if v > 0), default=0.0)
+            base = min(self.base_share, getattr(cost_model, "base_latency_us", self.base_share))
+            self.base_share = base
+            self.lat_lb = {key: max(0.0, v - base) for key, v in self.lat.items()}
+        else:
+            self.lat_lb = self.lat
         # dst location of each mesh dim
         self.dst_where = {}
         for d, lv in enumerate(dst_levels):
@@ -96,10 +117,13 @@ class Problem:
         for m in range(self.M):
             n_sh = g / K  # smallest local size while m itself is sharded
             n_un = g * self.k[m] / K  # ... while m is not sharded
-            ag = self.lat[ALL_GATHER, m] + self.fac[ALL_GATHER, m] * n_sh
-            a2a = self.lat[ALL_TO_ALL, m] + self.fac[ALL_TO_ALL, m] * n_sh
-            ar = self.lat[ALL_REDUCE, m] + self.fac[ALL_REDUCE, m] * n_un
-            rs = self.lat[REDUCE_SCATTER, m] + self.fac[REDUCE_SCATTER, m] * n_un
+            lat = self.lat_lb
+            ag = lat[ALL_GATHER, m] + self.fac[ALL_GATHER, m] * n_sh
+            # with fusion one all-to-all can move several levels for less than their separate
+            # bandwidth bounds add up to, so the bound keeps only its latency
+            a2a = lat[ALL_TO_ALL, m] + (0.0 if self.fuse else self.fac[ALL_TO_ALL, m] * n_sh)
+            ar = lat[ALL_REDUCE, m] + self.fac[ALL_REDUCE, m] * n_un
+            rs = lat[REDUCE_SCATTER, m] + self.fac[REDUCE_SCATTER, m] * n_un
             dst = self.dst_where.get(m)
             dst_p = bool(self.dst_pmask >> m & 1)
             # A reduce-scatter towards a replicated target leaves a level that must be gathered; that
@@ -123,7 +147,7 @@ class Problem:
         c = len(cand)
         k = [self.k[m] for m in cand]
         fac = [self.fac[ALL_GATHER, m] for m in cand]
-        lat = [self.lat[ALL_GATHER, m] for m in cand]
+        lat = [self.lat_lb[ALL_GATHER, m] for m in cand]
         base = self.g / self.K_S
         size = 1 << c
         prod = [1] * size
@@ -221,7 +245,8 @@ def solve(problem: Problem):
     best = {start: 0.0}
     parent = {start: None}
     counter = 0
-    heap = [(h0, 0, 0, 0.0, start, start_shards, h0)]
+    bshare = P.base_share
+    heap = [(h0 + (bshare if h0 > 1e-12 else 0.0), 0, 0, 0.0, start, start_shards, h0)]
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
@@ -324,6 +349,8 @@ def solve(problem: Problem):
                     continue
                 nbrs.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], *pstate), step_cost, new_shards,
                              base + new_lb, (kind, m, None, d2, sf2)))
+        if P.fuse:
+            nbrs.extend(_fused_moves(P, stacks, pa, pb, n, shards, mand, h_ag, first_empty_scratch))
         for new_state, step_cost, new_shards, dh, move in nbrs:
             ng = gcost + step_cost
             if new_state == goal and ng < ub:
@@ -333,8 +360,80 @@ def solve(problem: Problem):
                 parent[new_state] = (state, move, step_cost)
                 counter += 1
                 nh = h + dh
-                push_heap(heap, (ng + nh, depth, counter, ng, new_state, new_shards, nh))
+                push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, counter, ng, new_state,
+                                 new_shards, nh))
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
+
+
+def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_scratch):
+    """One collective over several mesh dims: gather / all-to-all the innermost j >= 2 levels of a
+    tensor dim, all-reduce or reduce-scatter several partial dims (of one reduce op) at once."""
+    k, cm, tgt = P.k, P.cost_model, P.dst_levels
+    lvl = [P.lb[m]["S"][1] if P.lb[m]["S"][0] is not None else 0.0 for m in range(P.M)]
+
+    def stack_lb(d, st):
+        return P.stack_lb(d, st)
+
+    out = []
+    for d, st in enumerate(stacks):
+        for j in range(2, len(st) + 1):
+            top = st[-j:]
+            if any(sf != 1 for _, sf in top):
+                break
+            dims = tuple(m for m, _ in top)
+            rest = st[:-j]
+            prod = math.prod(k[m] for m in dims)
+            popped = stacks[:d] + (rest,) + stacks[d + 1:]
+            removed = stack_lb(d, st) - stack_lb(d, rest)
+            gone = mand
+            for m in dims:
+                gone &= ~(1 << m)
+            out.append(((popped, pa, pb), cm.collective(ALL_GATHER, tuple(sorted(dims)), n), shards // prod,
+                        P.gather_lb(gone) - h_ag - removed, (AG, dims, d, None, 1)))
+            for d2 in range(P.T):
+                if d2 == d or (d2 in P.scratch_set and d2 != first_empty_scratch and not stacks[d2]):
+                    continue
+                st2 = popped[d2] + top
+                if P.even_only and not _fits(P, d2, st2):
+                    continue
+                added = stack_lb(d2, st2) - stack_lb(d2, popped[d2])
+                out.append(((popped[:d2] + (st2,) + popped[d2 + 1:], pa, pb),
+                            cm.collective(ALL_TO_ALL, tuple(sorted(dims)), n), shards, added - removed,
+                            (A2A, dims, d, d2, 1)))
+    for mask, is_a in ((pa, True), (pb, False)):
+        dims_all = [m for m in range(P.M) if mask >> m & 1]
+        for r in range(2, len(dims_all) + 1):
+            for subset in itertools.combinations(dims_all, r):
+                bits = sum(1 << m for m in subset)
+                old = sum(P.lb[m]["Pa" if is_a else "Pb"] for m in subset)
+                npa, npb = (pa & ~bits, pb) if is_a else (pa, pb & ~bits)
+                out.append(((stacks, npa, npb), cm.collective(ALL_REDUCE, subset, n), shards, -old,
+                            (AR, subset, None, None, 1)))
+                prod = math.prod(k[m] for m in subset)
+                rs_cost = cm.collective(REDUCE_SCATTER, subset, n)
+                grown = P.gather_lb(mand | (bits & P.cand_mask)) - h_ag
+                for order in itertools.permutations(subset):
+                    levels = tuple((m, 1) for m in order)
+                    for d2 in range(P.T):
+                        if d2 in P.scratch_set and d2 != first_empty_scratch and not stacks[d2]:
+                            continue
+                        st2 = stacks[d2] + levels
+                        if P.even_only and not _fits(P, d2, st2):
+                            continue
+                        added = stack_lb(d2, st2) - stack_lb(d2, stacks[d2])
+                        out.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], npa, npb), rs_cost, shards * prod,
+                                    grown + added - old, (RS, order, None, d2, 1)))
+    del lvl, tgt
+    return out
+
+
+def _fits(P, d, st):
+    e = P.shape[d]
+    for m, sf in st:
+        if e % (P.k[m] * sf):
+            return False
+        e //= P.k[m]
+    return True
 
 
 def direct_plan_cost(P: Problem) -> float | None:

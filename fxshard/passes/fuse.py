@@ -1,0 +1,113 @@
+"""fuse: fewer collective launches.
+
+Fusion over flattened meshes happens in the planner (``fuse=True``: one collective over several mesh
+dims when that is cheaper).  This module does the graph-level half: **bucketing** independent
+collectives of one kind, process group, reduce op and dtype in the per-rank graph into one
+collective on a flat concatenated buffer, split afterwards (DDP-style, capped at ``cap_bytes``).
+
+A bucket is only formed where it changes no dependency: the fused collective runs after the last of
+its inputs is produced and before the first use of any of its outputs, so a collective whose input
+depends on another's output never joins that one's bucket.  The fused node records which collectives
+it replaced in ``node.meta["fxshard_bucket"]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+_F = torch.ops._c10d_functional
+DEFAULT_CAP_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+
+
+def _collective_key(node: fx.Node):
+    if node.target is _F.all_reduce.default:
+        x, op, group = node.args
+        return ("all_reduce", op, group, x.meta["val"].dtype)
+    if node.target is _F.all_gather_into_tensor.default:
+        x, k, group = node.args
+        return ("all_gather", k, group, x.meta["val"].dtype)
+    return None
+
+
+def _wait_of(node: fx.Node):
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is _F.wait_tensor.default:
+        return users[0]
+    return None
+
+
+def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -> int:
+    """Bucket independent all-reduces / all-gathers; returns how many collectives were removed."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    items = []
+    for n in gm.graph.nodes:
+        key = _collective_key(n)
+        wait = _wait_of(n) if key else None
+        if key is None or wait is None or not isinstance(n.args[0], fx.Node):
+            continue
+        x = n.args[0]
+        first_use = min((order[u] for u in wait.users), default=math.inf)
+        items.append((key, n, wait, order[x], first_use, x.meta["val"].numel() * x.meta["val"].element_size()))
+    buckets: list[list] = []
+    open_by_key: dict = {}
+    for it in items:
+        key, _n, _w, produced, first_use, nbytes = it
+        b = open_by_key.get(key)
+        if b is not None:
+            ready = max(produced, max(m[3] for m in b))
+            needed = min(first_use, min(m[4] for m in b))
+            if ready < needed and sum(m[5] for m in b) + nbytes <= cap_bytes:
+                b.append(it)
+                continue
+        b = [it]
+        buckets.append(b)
+        open_by_key[key] = b
+    removed = 0
+    for b in buckets:
+        if len(b) > 1:
+            _rewrite(gm, b, order)
+            removed += len(b) - 1
+    if removed:
+        gm.graph.lint()
+        gm.recompile()
+    return removed
+
+
+def _rewrite(gm, bucket, order):
+    key = bucket[0][0]
+    inputs = [it[1].args[0] for it in bucket]
+    g = gm.graph
+    cursor = max(inputs, key=lambda x: order[x])
+
+    def emit(target, args):
+        nonlocal cursor
+        with g.inserting_after(cursor):
+            cursor = g.call_function(target, args)
+        return cursor
+
+    flats = [emit(torch.ops.aten.reshape.default, (x, [-1])) for x in inputs]
+    cat = emit(torch.ops.aten.cat.default, (flats, 0))
+    if key[0] == "all_reduce":
+        coll = emit(_F.all_reduce.default, (cat, key[1], key[2]))
+    else:
+        coll = emit(_F.all_gather_into_tensor.default, (cat, key[1], key[2]))
+    coll.meta["fxshard_bucket"] = [it[1].name for it in bucket]
+    wait = emit(_F.wait_tensor.default, (coll,))
+    sizes = [x.meta["val"].numel() for x in inputs]
+    total = sum(sizes)
+    grid = emit(torch.ops.aten.reshape.default, (wait, [key[1], total])) if key[0] == "all_gather" else None
+    for i, (it, x) in enumerate(zip(bucket, inputs)):
+        val = x.meta["val"]
+        if key[0] == "all_reduce":
+            part = emit(torch.ops.aten.narrow.default, (wait, 0, sum(sizes[:i]), sizes[i]))
+            out = emit(torch.ops.aten.reshape.default, (part, list(val.shape)))
+        else:
+            part = emit(torch.ops.aten.narrow.default, (grid, 1, sum(sizes[:i]), sizes[i]))
+            out = emit(torch.ops.aten.reshape.default, (part, [key[1] * val.shape[0], *val.shape[1:]]))
+        it[2].replace_all_uses_with(out)
+    for it in bucket:
+        g.erase_node(it[2])
+        g.erase_node(it[1])
