@@ -71,13 +71,15 @@ class SimulatedMesh:
             gen = torch.Generator().manual_seed(partial_seed) if partial_seed is not None else None
             pdims = [m for m, p in enumerate(spec.placements) if isinstance(p, Partial)]
             parts = None
-            if gen is not None and pdims and spec.partial_op in ("sum", "avg"):
+            ops = set(spec.partials.values())
+            if gen is not None and pdims and ops <= {"sum", "avg"}:
                 groups = math.prod(self.shape[m] for m in pdims)
                 noise = [torch.randn(full.shape, generator=gen, dtype=torch.float32).to(full.dtype)
                          for _ in range(groups - 1)]
                 parts = noise + [full - sum(noise)] if noise else [full]
-                if spec.partial_op == "avg":  # addends whose mean is the value
-                    parts = [p * groups for p in parts]
+                # avg dims average their addends: scale so the weighted sum is the value
+                avg_share = math.prod(self.shape[m] for m, op in spec.partials.items() if op == "avg")
+                parts = [p * avg_share for p in parts]
             for r, c in self.coords.items():
                 if parts is not None:
                     j = 0
@@ -105,6 +107,7 @@ def _R():
 
 
 def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=True) -> torch.Tensor:
+    mesh_shape = spec.mesh.shape
     pdims = [m for m, p in enumerate(spec.placements) if isinstance(p, Partial)]
     op = spec.partial_op
     # Group ranks by their partial-dim coordinates: each group holds one full addend.
@@ -138,10 +141,10 @@ def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=Tru
     if not pdims:
         return parts[0]
     stacked = torch.stack(parts)
-    if op == "sum":
-        return stacked.sum(0)
-    if op == "avg":
-        return stacked.mean(0)
+    ops = set(spec.partials.values())
+    if ops <= {"sum", "avg"}:  # linear: sum over every partial dim, divided by the avg dims' sizes
+        avg_share = math.prod(mesh_shape[m] for m, o in spec.partials.items() if o == "avg")
+        return stacked.sum(0) / avg_share if avg_share > 1 else stacked.sum(0)
     if op == "max":
         return stacked.amax(0)
     return stacked.amin(0)

@@ -113,8 +113,10 @@ def _check_placements(mesh: MeshSpec, placements, ndim: int, what: str) -> tuple
                 f"{what}: unknown placement {p!r} on mesh dim {i}; expected Replicate(), Shard(d), "
                 f"Partial(op) or _StridedShard(d, sf)")
         normalized.append(p)
-    if len(kinds) > 1:
-        raise ValueError(f"{what}: mixed Partial kinds {sorted(kinds)} in one placement; use one reduce op")
+    if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
+        # sum and avg are both linear, so their order does not matter; max/min with anything does
+        raise ValueError(f"{what}: mixed Partial kinds {sorted(kinds)} in one placement; use one reduce op "
+                         f"(only sum and avg may be mixed)")
     for op in kinds:
         if op not in ("sum", "avg", "max", "min"):
             raise ValueError(f"{what}: Partial({op!r}) is not supported; use sum, avg, max or min")
@@ -186,6 +188,11 @@ class ShardingSpec:
         levels = canonical_levels(tuple(levels), shape, mesh.shape)
         partial = {m: p.reduce_op for m, p in enumerate(placements) if placement_kind(p) == "P"}
         return cls(mesh, levels_to_placements(levels, partial, mesh.ndim), shape, dtype, levels)
+
+    @property
+    def partials(self) -> dict[int, str]:
+        """{mesh dim: reduce op} of the partial mesh dims."""
+        return {m: p.reduce_op for m, p in enumerate(self.placements) if placement_kind(p) == "P"}
 
     @property
     def partial_op(self) -> str | None:

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxshard
 from fxshard.passes.fuse import bucket_collectives
 from fxshard.passes.lower import collective_nodes
-from fxshard.planner.execute import group_names
+from fxshard.planner.execute import execute_plan, group_names, mesh_coordinate
 from fxshard.simulate import SimulatedMesh
 
 R, P = Replicate(), Partial()
@@ -34,12 +34,20 @@ def test_fusable_patterns_become_one_collective(mesh_shape, src, dst, kind):
     assert fused.cost < plain.cost
 
 
-def test_mixed_sum_and_avg_are_not_merged_into_one_reduction():
-    # one Partial kind per placement (as in DTensor); a change of kind goes through R
-    mesh = fxshard.MeshSpec((2, 2))
-    plan = fxshard.plan_redistribute(mesh, (Partial("sum"), Partial("sum")), (Partial("avg"), Partial("avg")),
-                                     (8, 8), fuse=True)
-    assert [s.collective for s in plan.steps if s.collective] == ["all_reduce"]
+def test_mixed_sum_and_avg_reduce_in_one_all_reduce():
+    """Partial(sum) on one mesh dim, Partial(avg) on another: one sum all-reduce over both, then a scale."""
+    mesh = fxshard.MeshSpec((2, 4))
+    src = (Partial("sum"), Partial("avg"))
+    plan = fxshard.plan_redistribute(mesh, src, (R, R), (8, 8), fuse=True)
+    assert [(s.collective, s.mesh_dims) for s in plan.steps if s.collective] == [("all_reduce", (0, 1))]
+    full = torch.randn(8, 8)
+    with SimulatedMesh((2, 4)) as sim:
+        x = sim.distribute(full, plan.src, partial_seed=0)
+        y = execute_plan(plan, x, group_names(sim.device_mesh), mesh_coordinate(sim.device_mesh))
+        torch.testing.assert_close(sim.assemble(y, plan.dst), full, rtol=1e-5, atol=1e-5)
+    # max cannot share a collective with sum
+    with pytest.raises(ValueError, match="only sum and avg may be mixed"):
+        fxshard.plan_redistribute(mesh, (Partial("sum"), Partial("max")), (R, R), (8, 8))
 
 
 def _make_graph():

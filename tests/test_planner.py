@@ -229,7 +229,7 @@ def test_strided_that_is_a_shard_order_is_recognised():
 @pytest.mark.parametrize("src,shape,msg", [
     ((R,), (4, 4), "2 placements .* for a 1-D mesh|1 placements .* for a 2-D mesh"),
     ((Shard(2), R), (4, 4), "tensor dim 2, out of range for a 2-D tensor"),
-    ((Partial("sum"), Partial("avg")), (4, 4), "mixed Partial kinds"),
+    ((Partial("sum"), Partial("max")), (4, 4), "mixed Partial kinds"),
     (("S0", R), (4, 4), "unknown placement 'S0'"),
 ])
 def test_bad_input_errors(src, shape, msg):

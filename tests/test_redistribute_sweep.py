@@ -21,11 +21,11 @@ def placement_options(ndim):
     return [Replicate()] + [Shard(d) for d in range(ndim)] + [Partial("sum"), Partial("avg")]
 
 
-def all_placements(mesh_ndim, ndim):
+def all_placements(mesh_ndim, ndim, mixed=False):
     out = []
     for pl in itertools.product(placement_options(ndim), repeat=mesh_ndim):
         ops = {p.reduce_op for p in pl if isinstance(p, Partial)}
-        if len(ops) <= 1:
+        if len(ops) <= 1 or mixed:  # sum and avg may mix (both linear)
             out.append(pl)
     return out
 
@@ -53,15 +53,16 @@ def check_pairs(sim, full, pairs, fuse=False):
         got = sim.assemble(y, plan.dst)
         reduces = any(isinstance(p, Partial) for p in (*src, *dst))
         if reduces:
-            tol = dict(rtol=1e-6, atol=1e-5) if full.dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+            # bf16 addends round: the tolerance is bf16's
+            tol = dict(rtol=1e-6, atol=1e-5) if full.dtype == torch.float32 else dict(rtol=5e-2, atol=0.15)
             torch.testing.assert_close(got, full, **tol, msg=lambda m, plan=plan: f"{plan}: {m}")
         else:
             assert torch.equal(got, full), f"{plan}: data movement is not bit-exact"
     return fused
 
 
-def sweep_cases(mesh, shape, sample=None, seed=0):
-    pls = all_placements(len(mesh), len(shape))
+def sweep_cases(mesh, shape, sample=None, seed=0, mixed=False):
+    pls = all_placements(len(mesh), len(shape), mixed)
     pairs = [(s, d, None) for s in pls for d in pls]
     pairs += [(s, d, nondefault_order(s)) for s in pls if nondefault_order(s) for d in pls]
     if sample is not None and len(pairs) > sample:
@@ -200,7 +201,8 @@ def test_fused_sweep(mesh, shape, dtype):
     """Plans with collectives over flattened mesh dims (all-gather, reduce-scatter, all-reduce,
     all-to-all) compute exactly what the unfused ones do."""
     full = torch.randn(shape).to(dtype)
-    pairs = sweep_cases(mesh, shape, sample=250, seed=3)
+    pairs = sweep_cases(mesh, shape, sample=250, seed=3, mixed=True)
     with SimulatedMesh(mesh) as sim:
         fused = check_pairs(sim, full, pairs, fuse=True)
     assert fused > 10  # the sample really exercises fused steps
+    assert any(len({p.reduce_op for p in s if isinstance(p, Partial)}) > 1 for s, _, _ in pairs)

@@ -183,9 +183,13 @@ total: +6.60 us (7.82 -> 14.42)""")
         def f(x):
             return x * 2
 
-        prog = fxshard.shard(f, fxshard.MeshSpec((2, 2)), example_inputs=(torch.randn(8, 4),),
-                             input_placements=[(Shard(0), Shard(0))], output_placements=[(Replicate(), Replicate())])
+        kw = dict(example_inputs=(torch.randn(8, 4),), input_placements=[(Shard(0), Shard(0))],
+                  output_placements=[(Replicate(), Replicate())])
+        prog = fxshard.shard(f, fxshard.MeshSpec((2, 2)), fuse=False, **kw)
         self.assertIn("missed fusion: redistribute all_gather on mesh dims [1] then [0]", prog.explain())
+        fused = fxshard.shard(f, fxshard.MeshSpec((2, 2)), **kw)
+        self.assertNotIn("missed fusion", fused.explain())
+        self.assertIn("all_gather[0, 1]", fused.explain())
 
     def test_diff_mlp_plan_vs_replicated(self):
         a = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))

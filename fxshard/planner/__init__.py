@@ -164,8 +164,7 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool =
     sp, dp = _partials(src), _partials(dst)
     if src.levels == dst.levels and sp == dp:
         return RedistributePlan(src, dst, (), (src.levels,), (sp,), 0.0)
-    problem = Problem(cm, mesh.shape, src.levels, dst.levels, tuple(sp), tuple(dp),
-                      src.partial_op, dst.partial_op, src.nbytes, src.shape, even_only, fuse)
+    problem = Problem(cm, mesh.shape, src.levels, dst.levels, sp, dp, src.nbytes, src.shape, even_only, fuse)
     total, moves, states = solve(problem)
     steps, levels, partials = [], [src.levels], [dict(sp)]
     part = dict(sp)
@@ -177,7 +176,7 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool =
             if move.kind in (AR, RS):
                 part.pop(m)
             elif move.kind == MAKE_PARTIAL:
-                part[m] = dst.partial_op
+                part[m] = dp[m]
         after = tuple(_moved_placement(stacks, part, m) for m in dims)
         if not move.fused:
             before, after = before[0], after[0]

@@ -79,20 +79,24 @@ def execute_plan(plan: RedistributePlan, local: torch.Tensor, groups, coord) -> 
         dims = step.mesh_dims  # sorted: the flattened group's rank order is row-major over them
         k = math.prod(mesh_shape[m] for m in dims)
         gname = groups[dims[0]] if len(dims) == 1 else groups[dims]
-        op = part.get(dims[0])
+        ops = {part[m] for m in dims if m in part}
+        # sum and avg reduce as a sum, then the avg dims' share is divided out (gloo has no avg)
+        op = "sum" if ops and ops <= {"sum", "avg"} else (next(iter(ops)) if ops else None)
+        scale = math.prod(mesh_shape[m] for m in dims if part.get(m) == "avg")
         if mv.kind == SHARD:
             x = _shard_local(x, coord, mv.mesh_dim, k, mv.dst_dim, mv.sf)
         elif mv.kind == MAKE_PARTIAL:
             if step.dst.reduce_op == "sum":  # one rank keeps the value, the others contribute zero
                 x = _keep_on_coord0(x, coord, mv.mesh_dim)
         elif mv.kind == AR:
-            x = _F.wait_tensor(_F.all_reduce(x, _wire_op(op), gname))
-            x = _finish_avg(x, op, k)
+            x = _F.wait_tensor(_F.all_reduce(x, op, gname))
+            x = x / scale if scale > 1 else x
         elif mv.kind == RS:
             levels = tuple((m, mv.sf) for m in mv.mesh_dims)
             buf = _rs_pack(x, mv.dst_dim, levels, mesh_shape)
-            out = _F.wait_tensor(_F.reduce_scatter_tensor(buf, _wire_op(op), k, gname))
-            x = _finish_avg(_rs_unpack(out, coord, mv.dst_dim, levels, x.size(mv.dst_dim), mesh_shape), op, k)
+            out = _F.wait_tensor(_F.reduce_scatter_tensor(buf, op, k, gname))
+            x = _rs_unpack(out, coord, mv.dst_dim, levels, x.size(mv.dst_dim), mesh_shape)
+            x = x / scale if scale > 1 else x
         else:
             d = mv.src_dim
             j = len(mv.mesh_dims)
@@ -145,15 +149,6 @@ def _member_index(coord, levels, mesh_shape):
     for m in sorted(m for m, _ in levels):
         r = r * mesh_shape[m] + coord[m]
     return r
-
-
-def _wire_op(op):
-    # avg is reduced as a sum and scaled (gloo has no avg), exactly like Partial("avg") in DTensor.
-    return "sum" if op == "avg" else op
-
-
-def _finish_avg(x, op, k):
-    return x / k if op == "avg" else x
 
 
 def _check_traceable(plan: RedistributePlan):

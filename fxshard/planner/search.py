@@ -57,8 +57,8 @@ class Move:
 class Problem:
     """Everything the search needs, precomputed once per plan."""
 
-    def __init__(self, cost_model, mesh_shape, src_levels, dst_levels, src_partial, dst_partial,
-                 src_op, dst_op, global_bytes, shape=None, even_only=False, fuse=False):
+    def __init__(self, cost_model, mesh_shape, src_levels, dst_levels, src_partial: dict, dst_partial: dict,
+                 global_bytes, shape=None, even_only=False, fuse=False):
         self.k = mesh_shape
         self.M = len(mesh_shape)
         self.T = len(src_levels)
@@ -73,15 +73,12 @@ class Problem:
         self.src_levels = src_levels
         self.dst_levels = dst_levels
         self.g = float(global_bytes)
-        self.src_op, self.dst_op = src_op, dst_op
-        same_op = src_op is None or dst_op is None or src_op == dst_op
-        self.op_b = dst_op if dst_op is not None else src_op
-        # Partial dims of the target's reduce op live in mask b; of another op (to be cleared) in a.
-        smask = sum(1 << m for m in src_partial)
+        # Partial mesh dims, each with its own reduce op.  Mask b: partial as the target wants it
+        # (same dim, same op); mask a: partial in a way that must be reduced away.
+        self.src_ops, self.dst_ops = dict(src_partial), dict(dst_partial)
         self.dst_pmask = sum(1 << m for m in dst_partial)
-        self.start_pa, self.start_pb = (0, smask) if same_op else (smask, 0)
-        both_linear = src_op in LINEAR_OPS + (None,) and dst_op in LINEAR_OPS + (None,)
-        self.mix_ok = same_op or both_linear
+        self.start_pa = sum(1 << m for m, op in src_partial.items() if dst_partial.get(m) != op)
+        self.start_pb = sum(1 << m for m, op in src_partial.items() if dst_partial.get(m) == op)
         self.lat, self.fac = planner_tables(cost_model)
         self.base_share = 0.0
         if fuse:
@@ -400,29 +397,35 @@ def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_
                 out.append(((popped[:d2] + (st2,) + popped[d2 + 1:], pa, pb),
                             cm.collective(ALL_TO_ALL, tuple(sorted(dims)), n), shards, added - removed,
                             (A2A, dims, d, d2, 1)))
-    for mask, is_a in ((pa, True), (pb, False)):
-        dims_all = [m for m in range(P.M) if mask >> m & 1]
-        for r in range(2, len(dims_all) + 1):
-            for subset in itertools.combinations(dims_all, r):
-                bits = sum(1 << m for m in subset)
-                old = sum(P.lb[m]["Pa" if is_a else "Pb"] for m in subset)
-                npa, npb = (pa & ~bits, pb) if is_a else (pa, pb & ~bits)
-                out.append(((stacks, npa, npb), cm.collective(ALL_REDUCE, subset, n), shards, -old,
-                            (AR, subset, None, None, 1)))
-                prod = math.prod(k[m] for m in subset)
-                rs_cost = cm.collective(REDUCE_SCATTER, subset, n)
-                grown = P.gather_lb(mand | (bits & P.cand_mask)) - h_ag
-                for order in itertools.permutations(subset):
-                    levels = tuple((m, 1) for m in order)
-                    for d2 in range(P.T):
-                        if d2 in P.scratch_set and d2 != first_empty_scratch and not stacks[d2]:
-                            continue
-                        st2 = stacks[d2] + levels
-                        if P.even_only and not _fits(P, d2, st2):
-                            continue
-                        added = stack_lb(d2, st2) - stack_lb(d2, stacks[d2])
-                        out.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], npa, npb), rs_cost, shards * prod,
-                                    grown + added - old, (RS, order, None, d2, 1)))
+    dims_all = [m for m in range(P.M) if (pa | pb) >> m & 1]
+
+    def op_of(m):
+        return P.src_ops[m] if (pa >> m & 1 or m in P.src_ops) else P.dst_ops[m]
+
+    for r in range(2, len(dims_all) + 1):
+        for subset in itertools.combinations(dims_all, r):
+            ops = {op_of(m) for m in subset}
+            if len(ops) > 1 and not ops <= set(LINEAR_OPS):
+                continue  # one collective reduces with one op (sum and avg: sum, then scale)
+            bits = sum(1 << m for m in subset)
+            old = sum(P.lb[m]["Pa" if pa >> m & 1 else "Pb"] for m in subset)
+            npa, npb = pa & ~bits, pb & ~bits
+            out.append(((stacks, npa, npb), cm.collective(ALL_REDUCE, subset, n), shards, -old,
+                        (AR, subset, None, None, 1)))
+            prod = math.prod(k[m] for m in subset)
+            rs_cost = cm.collective(REDUCE_SCATTER, subset, n)
+            grown = P.gather_lb(mand | (bits & P.cand_mask)) - h_ag
+            for order in itertools.permutations(subset):
+                levels = tuple((m, 1) for m in order)
+                for d2 in range(P.T):
+                    if d2 in P.scratch_set and d2 != first_empty_scratch and not stacks[d2]:
+                        continue
+                    st2 = stacks[d2] + levels
+                    if P.even_only and not _fits(P, d2, st2):
+                        continue
+                    added = stack_lb(d2, st2) - stack_lb(d2, stacks[d2])
+                    out.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], npa, npb), rs_cost, shards * prod,
+                                grown + added - old, (RS, order, None, d2, 1)))
     del lvl, tgt
     return out
 
