@@ -154,7 +154,8 @@ def _passes_at(passes, point):
 def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, example_inputs: Sequence,
           input_placements: Sequence | None = None, output_placements: Sequence | None = None,
           tp_dim: int | str | None = None, training: bool = False, cost_model=None,
-          passes: Sequence | None = None, fuse: bool = True) -> ShardedProgram:
+          passes: Sequence | None = None, fuse: bool = True,
+          bucket_bytes: int = 25 * 1024 * 1024) -> ShardedProgram:
     """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
 
     ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and applies
@@ -162,7 +163,8 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
     ``passes``: ``(stage, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
     points of the pipeline (see ``PASS_POINTS``).  ``fuse``: let the planner use one collective over
-    several mesh dims (a flattened group) where that is cheaper.
+    several mesh dims (a flattened group) where that is cheaper; ``bucket_bytes``: merge independent
+    collectives of one kind and group in the per-rank graph up to this many bytes (0: off).
     """
     if training:
         raise NotImplementedError("fxshard.shard(training=True): joint forward+backward sharding is not built "
@@ -170,6 +172,7 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     for p in passes or ():
         _passes_at([p], None)  # validate every pass up front
     c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model, fuse=fuse)
+    c.bucket_bytes = bucket_bytes
     annotate(c, input_placements=input_placements, output_placements=output_placements)
     for fn in _passes_at(passes, "after_annotate"):
         fn(c.gm, c)

@@ -44,10 +44,11 @@ class ShardedProgram:
         """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
         if self._local is None:
             local = lower_to_local(self.graph, self.mesh.ndim)
-            if getattr(self.captured, "fuse", False):
+            cap = getattr(self.captured, "bucket_bytes", 0)
+            if cap:
                 from .passes.fuse import bucket_collectives
 
-                self.bucketed = bucket_collectives(local)
+                self.bucketed = bucket_collectives(local, cap)
             for fn in self.after_lower:
                 fn(local, self)
                 local.graph.lint()

@@ -207,13 +207,16 @@ def explain(prog, verbose: bool = False, format: str = "text") -> str:
         lines.append(f"fallback: {w}")
     for m in missed_fusions(prog):
         lines.append(f"missed fusion: {m}")
+    if getattr(prog, "bucketed", 0):
+        lines.append(f"bucketed: {prog.bucketed} collectives merged into others in the per-rank graph")
     return "\n".join(lines)
 
 
 def missed_fusions(prog) -> list[str]:
-    """Runs of same-kind collectives on different mesh dims inside one redistribute: one collective
-    over the flattened dims could do them (there is no fusion pass yet, so every such run is missed)."""
+    """Runs of same-kind collectives on different mesh dims inside one redistribute that one collective
+    over the flattened dims could have done, with the reason they were not fused."""
     out = []
+    fuse = getattr(prog.captured, "fuse", False)
     for n in prog.graph.graph.nodes:
         rec = info(n)
         if rec.kind != "redistribute":
@@ -222,8 +225,14 @@ def missed_fusions(prog) -> list[str]:
         for a, b in zip(steps, steps[1:]):
             if a.collective == b.collective and a.mesh_dims != b.mesh_dims:
                 where = f"{rec.module}: " if rec.module else ""
+                if not fuse:
+                    why = "fusion off (fuse=False)"
+                elif any(sf != 1 for lv in rec.plan.levels for st in lv for _, sf in st):
+                    why = "strided levels are not fused"
+                else:
+                    why = "cheaper unfused under the cost model"
                 out.append(f"{where}{n.name} {a.collective} on mesh dims {list(a.mesh_dims)} then "
-                           f"{list(b.mesh_dims)} (no fusion pass yet)")
+                           f"{list(b.mesh_dims)} ({why})")
     return out
 
 
@@ -361,4 +370,6 @@ def log_program(prog) -> None:
 
     if log.isEnabledFor(logging.INFO):
         log.info("fxshard plan:\n%s", explain(prog))
+    for m in missed_fusions(prog):
+        log.info("fxshard: missed fusion: %s", m)
     trace_artifact("fxshard_explain", lambda: explain(prog))

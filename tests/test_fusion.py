@@ -110,7 +110,8 @@ def test_bucketing_in_a_sharded_program():
 
 
 def test_llama_sequence_on_two_mesh_dims_fuses():
-    """dp x cp-like: the sequence sharded over both mesh dims; gathers/scatters over the flattened mesh."""
+    """On a 2-D (dp, tp) mesh with the sequence sharded over both dims (dp x cp-like), gathers and
+    scatters run over the flattened mesh: fewer collectives, same numbers."""
     model = init_weights(Llama())
     x = example_input(model, batch=2, seq=16)
     mesh = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
@@ -125,3 +126,16 @@ def test_llama_sequence_on_two_mesh_dims_fuses():
     torch.testing.assert_close(plain.simulate(*x), ref, rtol=1e-5, atol=1e-5)
     assert "missed fusion" in plain.explain() and "missed fusion" not in fused.explain()
 
+
+
+def test_bucket_cap_is_respected():
+    def f(a, b, c, d):
+        return a @ b, c @ d
+
+    xs = [torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 16), torch.randn(16, 6)]
+    kw = dict(example_inputs=xs, input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
+              output_placements=[(R,), (R,)])
+    small = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=100, **kw)  # 8*4*4 + 8*6*4 bytes > 100
+    assert len(collective_nodes(small.local_graph)) == 2 and small.bucketed == 0
+    off = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=0, **kw)
+    assert len(collective_nodes(off.local_graph)) == 2

@@ -62,6 +62,7 @@ class Captured:
     warnings: list = field(default_factory=list)
     stage: str = "captured"  # captured -> annotated -> redistributed
     fuse: bool = True  # plan collectives over flattened mesh dims where that is cheaper
+    bucket_bytes: int = 25 * 1024 * 1024  # bucket independent collectives up to this size (0: off)
 
 
 class _FnModule(nn.Module):
