@@ -32,7 +32,7 @@ def programs(n_layers, shape, names):
     x = zoo.example_input(model, batch=4, seq=16)
     mesh = fxshard.MeshSpec(shape, names=names)
     dp_tp = dict(plan=zoo.megatron_tp_plan())
-    seq = [Shard(0)] + [Shard(1)] * (len(shape) - 1)
+    seq = [Shard(0)] * (len(shape) - 2) + [Shard(1)] * 2  # sequence on the last two dims, batch on the rest
     dp_cp = dict(plan=None, input_placements=[tuple(seq)])
     for label, kw in (("dp x tp", dp_tp), ("dp x cp", dp_cp)):
         plain = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, fuse=False,
