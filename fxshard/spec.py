@@ -185,9 +185,12 @@ class ShardingSpec:
                 p = placements[m]
                 lv.append((m, strided_split_factor(p) if is_strided_shard(p) else 1))
             levels.append(tuple(lv))
-        levels = canonical_levels(tuple(levels), shape, mesh.shape)
+        levels = tuple(levels)
+        canon = canonical_levels(levels, shape, mesh.shape)
+        if canon == levels:  # already canonical: keep the validated placements
+            return cls(mesh, placements, shape, dtype, levels)
         partial = {m: p.reduce_op for m, p in enumerate(placements) if placement_kind(p) == "P"}
-        return cls(mesh, levels_to_placements(levels, partial, mesh.ndim), shape, dtype, levels)
+        return cls(mesh, levels_to_placements(canon, partial, mesh.ndim), shape, dtype, canon)
 
     @property
     def partials(self) -> dict[int, str]:
@@ -281,6 +284,8 @@ def canonical_levels(levels: Levels, shape, mesh_shape) -> Levels:
     levels followed by ``(m, 1)`` (the right-to-left sharding _StridedShard was made for).  The
     rewrite is kept only when it gives every rank exactly the same indices (uneven sizes can differ).
     """
+    if not any(sf != 1 for lv in levels for _, sf in lv):
+        return levels  # only strided levels can be rewritten
     out = []
     for n, lv in zip(shape, levels):
         lv = tuple(lv)
