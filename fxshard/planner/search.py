@@ -200,114 +200,149 @@ class Problem:
 
 
 def solve(problem: Problem):
-    """Return (cost, [(Move, cost), ...], [state, ...]) of a min-cost path."""
+    """Return (cost, [(Move, cost), ...], [state, ...]) of a min-cost path.
+
+    States are encoded as a tuple of ints: one per tensor dim (its stack of levels as digits, the
+    innermost level in the lowest digit; 0 is empty), then the two partial masks.  Hashing and
+    comparing small ints is what makes the search cheap."""
     P = problem
     k = P.k
-    start = (P.src_levels, P.start_pa, P.start_pb)
-    goal = (P.dst_levels, 0, P.dst_pmask)
-    if start == goal:
-        return 0.0, [], [start]
+    start_t = (P.src_levels, P.start_pa, P.start_pb)
+    goal_t = (P.dst_levels, 0, P.dst_pmask)
+    if start_t == goal_t:
+        return 0.0, [], [start_t]
+    M, T = P.M, P.T
+    # level codes
+    levels = [(m, 1) for m in range(M)]
+    for lv in (*P.src_levels, *P.dst_levels):
+        for lev in lv:
+            if lev not in levels:
+                levels.append(lev)
+    code = {lev: i + 1 for i, lev in enumerate(levels)}
+    decode = [None] + levels
+    B = len(levels) + 1
+
+    def enc(st):
+        v = 0
+        for lev in st:
+            v = v * B + code[lev]
+        return v
+
+    def dec(v):
+        out = []
+        while v:
+            out.append(decode[v % B])
+            v //= B
+        return tuple(reversed(out))
+
+    tgt_v = [enc(st) for st in P.dst_levels]
+    prefix_ok = []
+    for st in P.dst_levels:
+        ok, v = {0}, 0
+        for lev in st:
+            v = v * B + code[lev]
+            ok.add(v)
+        prefix_ok.append(ok)
     lat, fac = P.lat, P.fac
     scratch, scratch_set = P.scratch, P.scratch_set
-    tgt = P.dst_levels
     g_bytes = P.g
-    M, T = P.M, P.T
     dst_pmask = P.dst_pmask
     lb, targets = P.lb, P.targets
+    tcodes = [[(d2, sf2, code[(m, sf2)]) for d2, sf2 in targets[m]] for m in range(M)]
     even_only, shape = P.even_only, P.shape
 
-    def fits(d, st):  # every level of the stack splits its extent exactly
+    def fits(d, v):  # every level of the stack splits its extent exactly
         e = shape[d]
-        for mm, sff in st:
+        for mm, sff in dec(v):
             if e % (k[mm] * sff):
                 return False
             e //= k[mm]
         return True
 
-    # per mesh dim: cost of one unavoidable move of a misplaced level, and the P-dim bounds
     lvl_lb = [lb[m]["S"][1] if lb[m]["S"][0] is not None else 0.0 for m in range(M)]
     cand_mask, gather_lb = P.cand_mask, P.gather_lb
     lb_pa = [lb[m]["Pa"] for m in range(M)]
     lb_pb = [lb[m]["Pb"] for m in range(M)]
-    c_ag = [(lat[ALL_GATHER, m], fac[ALL_GATHER, m]) for m in range(M)]
-    c_a2a = [(lat[ALL_TO_ALL, m], fac[ALL_TO_ALL, m]) for m in range(M)]
-    c_ar = [(lat[ALL_REDUCE, m], fac[ALL_REDUCE, m]) for m in range(M)]
-    c_rs = [(lat[REDUCE_SCATTER, m], fac[REDUCE_SCATTER, m]) for m in range(M)]
-    # push targets per mesh dim, split into "can extend a target prefix" bookkeeping at push time
-    start_shards = 1
+    ag_l = [lat[ALL_GATHER, m] for m in range(M)]
+    ag_f = [fac[ALL_GATHER, m] for m in range(M)]
+    a2_l = [lat[ALL_TO_ALL, m] for m in range(M)]
+    a2_f = [fac[ALL_TO_ALL, m] for m in range(M)]
+    ar_l = [lat[ALL_REDUCE, m] for m in range(M)]
+    ar_f = [fac[ALL_REDUCE, m] for m in range(M)]
+    rs_l = [lat[REDUCE_SCATTER, m] for m in range(M)]
+    rs_f = [fac[REDUCE_SCATTER, m] for m in range(M)]
+    start_shards, start_mask = 1, 0
     for st in P.src_levels:
         for m, _ in st:
             start_shards *= k[m]
-    h0 = P.heuristic(*start)
+            start_mask |= 1 << m
+    start = (*[enc(st) for st in P.src_levels], P.start_pa, P.start_pb)
+    goal = (*tgt_v, 0, P.dst_pmask)
+    h0 = P.heuristic(*start_t)
     best = {start: 0.0}
     parent = {start: None}
     counter = 0
     bshare = P.base_share
-    heap = [(h0 + (bshare if h0 > 1e-12 else 0.0), 0, 0, 0.0, start, start_shards, h0)]
+    heap = [(h0 + (bshare if h0 > 1e-12 else 0.0), 0, 0, 0.0, start, start_shards, start_mask, h0)]
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
     direct = direct_plan_cost(P)
     ub = direct * (1 + 1e-12) + 1e-9 if direct is not None else inf
     while heap:
-        _f, depth, _, gcost, state, shards, h = pop_heap(heap)
+        _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
             continue
         if state == goal:
-            return _unwind(parent, state, gcost)
-        stacks, pa, pb = state
+            return _unwind_int(parent, state, gcost, dec, T)
+        pa, pb = state[T], state[T + 1]
         n = g_bytes / shards
-        sharded = 0
-        for st in stacks:
-            for m, _ in st:
-                sharded |= 1 << m
         used = sharded | pa | pb
         mand = sharded & cand_mask
         h_ag = gather_lb(mand)
         first_empty_scratch = -1
         for d in scratch:
-            if not stacks[d]:
+            if not state[d]:
                 first_empty_scratch = d
                 break
         depth -= 1
-        at_target = stacks == tgt
-        # Neighbours: each is priced (cost, heuristic change) before its state is built, and dropped
-        # when it cannot beat the best complete path known (the direct plan, or a goal reached).
-        nbrs = []  # (new_state, step_cost, new_shards, dh, move)
+        at_target = state[:T] == goal[:T]
+        nbrs = []  # (new_state, step_cost, new_shards, new_mask, dh, move)
         base_f = gcost + h
         for d in range(T):
-            st = stacks[d]
-            if not st:
+            v = state[d]
+            if not v:
                 continue
-            m, sf = st[-1]
-            top_lb = 0.0 if st == tgt[d][:len(st)] else lvl_lb[m]
-            popped = None
-            la, fa = c_ag[m]
-            step_cost = la + fa * n
-            dh = gather_lb(mand & ~(1 << m)) - h_ag - top_lb
+            c = v % B
+            m, sf = decode[c]
+            bit = 1 << m
+            rest = v // B
+            top_lb = 0.0 if v in prefix_ok[d] else lvl_lb[m]
+            step_cost = ag_l[m] + ag_f[m] * n
+            dh = gather_lb(mand & ~bit) - h_ag - top_lb
             if base_f + step_cost + dh <= ub:
-                popped = stacks[:d] + (st[:-1],) + stacks[d + 1:]
-                nbrs.append(((popped, pa, pb), step_cost, shards // k[m], dh, (AG, m, d, None, 1)))
-            la, fa = c_a2a[m]
-            a2a_cost = la + fa * n
+                ns = list(state)
+                ns[d] = rest
+                nbrs.append((tuple(ns), step_cost, shards // k[m], sharded & ~bit, dh, (AG, m, d, None, 1)))
+            a2a_cost = a2_l[m] + a2_f[m] * n
             if base_f + a2a_cost - top_lb > ub:
                 continue
-            for d2, sf2 in targets[m]:
+            for d2, sf2, c2 in tcodes[m]:
                 if d2 == d and sf2 == sf:
                     continue
-                st2 = stacks[d2] if d2 != d else st[:-1]
-                if not st2 and d2 in scratch_set and d2 != first_empty_scratch and d2 != d:
+                base = rest if d2 == d else state[d2]
+                if not base and d2 in scratch_set and d2 != first_empty_scratch and d2 != d:
                     continue
-                st2 = st2 + ((m, sf2),)
-                if even_only and not fits(d2, st2):
+                nv = base * B + c2
+                if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if st2 == tgt[d2][:len(st2)] else lvl_lb[m]
+                new_lb = 0.0 if nv in prefix_ok[d2] else lvl_lb[m]
                 if base_f + a2a_cost + new_lb - top_lb > ub:
                     continue
-                if popped is None:
-                    popped = stacks[:d] + (st[:-1],) + stacks[d + 1:]
-                nbrs.append(((popped[:d2] + (st2,) + popped[d2 + 1:], pa, pb), a2a_cost, shards,
-                             new_lb - top_lb, (A2A, m, d, d2, sf2)))
+                ns = list(state)
+                ns[d] = rest
+                ns[d2] = nv
+                nbrs.append((tuple(ns), a2a_cost, shards, sharded, new_lb - top_lb, (A2A, m, d, d2, sf2)))
         for m in range(M):
             bit = 1 << m
             if used & bit:
@@ -317,38 +352,50 @@ def solve(problem: Problem):
                     old_lb, npa, npb = lb_pa[m], pa & ~bit, pb
                 else:
                     old_lb, npa, npb = lb_pb[m], pa, pb & ~bit
-                la, fa = c_ar[m]
-                if base_f + la + fa * n - old_lb <= ub:
-                    nbrs.append(((stacks, npa, npb), la + fa * n, shards, -old_lb, (AR, m, None, None, 1)))
-                la, fa = c_rs[m]
-                step_cost, new_shards, kind, base = la + fa * n, shards * k[m], RS, -old_lb
-                pstate = (npa, npb)
+                step_cost = ar_l[m] + ar_f[m] * n
+                if base_f + step_cost - old_lb <= ub:
+                    ns = list(state)
+                    ns[T], ns[T + 1] = npa, npb
+                    nbrs.append((tuple(ns), step_cost, shards, sharded, -old_lb, (AR, m, None, None, 1)))
+                step_cost, kind, base_dh = rs_l[m] + rs_f[m] * n, RS, -old_lb
             else:
-                step_cost, new_shards, kind, base = 0.0, shards * k[m], SHARD, 0.0
-                pstate = (pa, pb)
+                step_cost, kind, base_dh = 0.0, SHARD, 0.0
+                npa, npb = pa, pb
                 # Making a dim partial is free and changes no size, so it can always wait until
                 # everything else is in place: only allow it there (never mixes reduce ops either).
                 if dst_pmask & bit and at_target and not pa:
-                    nbrs.append(((stacks, pa, pb | bit), 0.0, shards, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
-            if cand_mask >> m & 1:  # the new level will have to be gathered
-                base += gather_lb(mand | bit) - h_ag
-            if base_f + step_cost + base > ub:
+                    ns = list(state)
+                    ns[T + 1] = pb | bit
+                    nbrs.append((tuple(ns), 0.0, shards, sharded, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
+            if cand_mask & bit:  # the new level will have to be gathered
+                base_dh += gather_lb(mand | bit) - h_ag
+            if base_f + step_cost + base_dh > ub:
                 continue
-            for d2, sf2 in targets[m]:
-                st2 = stacks[d2]
-                if not st2 and d2 in scratch_set and d2 != first_empty_scratch:
+            for d2, sf2, c2 in tcodes[m]:
+                base = state[d2]
+                if not base and d2 in scratch_set and d2 != first_empty_scratch:
                     continue
-                st2 = st2 + ((m, sf2),)
-                if even_only and not fits(d2, st2):
+                nv = base * B + c2
+                if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if st2 == tgt[d2][:len(st2)] else lvl_lb[m]
-                if base_f + step_cost + base + new_lb > ub:
+                new_lb = 0.0 if nv in prefix_ok[d2] else lvl_lb[m]
+                if base_f + step_cost + base_dh + new_lb > ub:
                     continue
-                nbrs.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], *pstate), step_cost, new_shards,
-                             base + new_lb, (kind, m, None, d2, sf2)))
+                ns = list(state)
+                ns[d2] = nv
+                ns[T], ns[T + 1] = npa, npb
+                nbrs.append((tuple(ns), step_cost, shards * k[m], sharded | bit, base_dh + new_lb,
+                             (kind, m, None, d2, sf2)))
         if P.fuse:
-            nbrs.extend(_fused_moves(P, stacks, pa, pb, n, shards, mand, h_ag, first_empty_scratch))
-        for new_state, step_cost, new_shards, dh, move in nbrs:
+            stacks_t = tuple(dec(state[d]) for d in range(T))
+            for (nst, npa2, npb2), cost, nsh, dh, move in _fused_moves(P, stacks_t, pa, pb, n, shards, mand, h_ag,
+                                                                       first_empty_scratch):
+                nmask = 0
+                for st in nst:
+                    for mm, _ in st:
+                        nmask |= 1 << mm
+                nbrs.append(((*[enc(st) for st in nst], npa2, npb2), cost, nsh, nmask, dh, move))
+        for new_state, step_cost, new_shards, new_mask, dh, move in nbrs:
             ng = gcost + step_cost
             if new_state == goal and ng < ub:
                 ub = ng
@@ -358,8 +405,25 @@ def solve(problem: Problem):
                 counter += 1
                 nh = h + dh
                 push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, counter, ng, new_state,
-                                 new_shards, nh))
+                                 new_shards, new_mask, nh))
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
+
+
+def _unwind_int(parent, state, total, dec, T):
+    def lev(s):
+        return (tuple(dec(s[d]) for d in range(T)), s[T], s[T + 1])
+
+    moves, costs, states = [], [], [lev(state)]
+    while parent[state] is not None:
+        prev, move, c = parent[state]
+        moves.append(Move(*move))
+        costs.append(c)
+        states.append(lev(prev))
+        state = prev
+    moves.reverse()
+    costs.reverse()
+    states.reverse()
+    return total, list(zip(moves, costs)), states
 
 
 def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_scratch):
