@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from .cost import CostModel
@@ -126,8 +125,3 @@ class ShardedProgram:
         for c in self.collectives():
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         return f"ShardedProgram(mesh={self.mesh.shape}, collectives={kinds})"
-
-
-def run_single_device(model, inputs):
-    with torch.no_grad():
-        return model(*inputs)

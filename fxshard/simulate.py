@@ -12,7 +12,6 @@ tensors and per-rank local tensors of a ``ShardingSpec``:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -148,7 +147,3 @@ def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=Tru
     if op == "max":
         return stacked.amax(0)
     return stacked.amin(0)
-
-
-def all_coords(shape):
-    return list(itertools.product(*[range(s) for s in shape]))

@@ -66,14 +66,6 @@ def local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coo
     return n
 
 
-def max_local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int]) -> int:
-    """Largest local extent over all ranks (what padded collectives move)."""
-    sizes = {n}
-    for m, sf in levels:
-        sizes = {len(p) for s in sizes for p in level_positions(s, mesh_shape[m], sf)}
-    return max(sizes)
-
-
 def placement_str(p) -> str:
     k = placement_kind(p)
     if k == "SS":

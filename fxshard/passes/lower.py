@@ -12,7 +12,6 @@ concrete ``DeviceMesh``'s.
 from __future__ import annotations
 
 import copy
-import operator
 
 import torch
 import torch.fx as fx
@@ -135,7 +134,3 @@ def bind_groups(local: fx.GraphModule, groups) -> fx.GraphModule:
 
 def collective_nodes(local: fx.GraphModule) -> list[fx.Node]:
     return [n for n in local.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS]
-
-
-def is_getitem(n) -> bool:
-    return n.op == "call_function" and n.target is operator.getitem

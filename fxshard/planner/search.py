@@ -540,17 +540,3 @@ def direct_plan_cost(P: Problem) -> float | None:
             cost += P.lat[ALL_GATHER, m] + P.fac[ALL_GATHER, m] * g / shards
             shards //= k[m]
     return cost
-
-
-def _unwind(parent, state, total):
-    moves, costs, states = [], [], [state]
-    while parent[state] is not None:
-        prev, move, c = parent[state]
-        moves.append(Move(*move))
-        costs.append(c)
-        states.append(prev)
-        state = prev
-    moves.reverse()
-    costs.reverse()
-    states.reverse()
-    return total, list(zip(moves, costs)), states
