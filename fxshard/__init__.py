@@ -5,6 +5,7 @@ from .api import PASS_POINTS, annotate, capture, lower, program, redistribute, s
 from .calibrate import calibrate
 from .cost import CostModel, torch_compatible
 from .mesh import MeshSpec
+from .parallelize import ParallelModule, parallelize
 from .planner import RedistributePlan, Step, clear_plan_cache, plan_redistribute
 from .program import Collective, ShardedProgram
 from .report import diff
@@ -16,4 +17,4 @@ _register_torch_logs()
 __all__ = ["MeshSpec", "CostModel", "torch_compatible", "ShardingSpec", "plan_redistribute",
            "RedistributePlan", "Step", "clear_plan_cache", "shard", "ShardedProgram", "Collective", "diff",
            "capture", "annotate", "set_placement", "redistribute", "program", "lower", "PASS_POINTS",
-           "register_rule", "unregister_rule", "calibrate"]
+           "register_rule", "unregister_rule", "calibrate", "parallelize", "ParallelModule"]

@@ -184,3 +184,68 @@ def trace_artifact(name: str, payload_fn) -> None:
 
     trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
                      payload_fn=payload_fn)
+
+
+# ---- torch.compile / Inductor -------------------------------------------------------------------
+
+def dynamo_frame_locals() -> dict:
+    """The local variables of the frame dynamo is compiling (valid inside a backend call)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    return dict(tx.output.root_tx.f_locals) if tx is not None else {}
+
+
+def calling_modules() -> list:
+    """Modules whose ``forward`` is running on the Python stack, outermost first (``torch.compile``'d
+    wrappers unwrapped).  After a graph break in a loop dynamo compiles submodule frames on their
+    own; the outermost module on the stack is then the model the plan names FQNs in."""
+    import sys
+
+    import torch.nn as nn
+
+    out, seen = [], set()
+    f = sys._getframe(1)
+    while f is not None:
+        obj = f.f_locals.get("self")
+        if isinstance(obj, nn.Module):
+            obj = getattr(obj, "_orig_mod", obj)
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+        f = f.f_back
+    return out[::-1]
+
+
+def placeholder_source(node) -> str | None:
+    """A dynamo graph placeholder's source, e.g. ``L['self']._modules['fc1']._parameters['weight']``."""
+    arg = node.meta.get("grapharg")
+    src = getattr(arg, "source", None)
+    name = getattr(src, "name", None)
+    return name() if callable(name) else name
+
+
+def inductor_compile(gm, example_inputs):
+    """Compile an ATen graph with Inductor: decompose with Inductor's table, then ``compile_fx_inner``.
+
+    Returns ``fn(*args) -> tuple``.  ``example_inputs`` are real or fake tensors of the right
+    shapes, dtypes and devices (contiguous)."""
+    import torch
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fm = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes = [fm.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=t.device)) for t in example_inputs]
+    with fm:
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fakes)
+    with tracing(TracingContext(fm)):
+        compiled = compile_fx_inner(decomposed, fakes)
+
+    def run(*args):
+        return compiled(list(args))
+
+    run.graph = decomposed
+    return run

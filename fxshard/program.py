@@ -33,7 +33,7 @@ class ShardedProgram:
         self.cost_model = cost_model
         self.warnings = warnings
         self.device_mesh = device_mesh
-        self._local = None
+        self._local: dict = {}  # device (None: where captured) -> per-rank graph
         self.after_lower = tuple(after_lower)
         self.bucketed = 0  # collectives removed by bucketing in the per-rank graph
 
@@ -41,8 +41,13 @@ class ShardedProgram:
     @property
     def local_graph(self) -> fx.GraphModule:
         """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
-        if self._local is None:
-            local = lower_to_local(self.graph, self.mesh.ndim)
+        return self.local_graph_on(None)
+
+    def local_graph_on(self, device) -> fx.GraphModule:
+        """The per-rank graph with its factory ops on ``device`` (None: where the program was captured)."""
+        key = None if device is None else str(device)
+        if key not in self._local:
+            local = lower_to_local(self.graph, self.mesh.ndim, device=device)
             cap = getattr(self.captured, "bucket_bytes", 0)
             if cap:
                 from .passes.fuse import bucket_collectives
@@ -52,8 +57,17 @@ class ShardedProgram:
                 fn(local, self)
                 local.graph.lint()
                 local.recompile()
-            self._local = local
-        return self._local
+            self._local[key] = local
+        return self._local[key]
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def output_specs(self) -> tuple:
+        """The ShardingSpec of every output (what the per-rank program returns a shard of)."""
+        return tuple(info(next(n for n in self.graph.graph.nodes if n.op == "output")).input_specs)
 
     def redistribute_nodes(self) -> list[fx.Node]:
         return [n for n in self.graph.graph.nodes if info(n).kind == "redistribute"]
@@ -92,33 +106,45 @@ class ShardedProgram:
 
     def simulate(self, *inputs):
         """Run every rank in one process (exact collectives); returns the global outputs."""
+        if len(inputs) != self.captured.num_inputs:
+            raise TypeError(f"this program takes {self.captured.num_inputs} inputs, got {len(inputs)}")
+        return self.restructure(self.simulate_placeholders(self.placeholder_values(inputs)))
+
+    def simulate_placeholders(self, values) -> list:
+        """Simulate on the global value of every placeholder (parameters included); flat outputs."""
         from .adapter import coordinate_tensor
         from .planner.execute import group_names
         from .simulate import SimulatedMesh
 
-        if len(inputs) != self.captured.num_inputs:
-            raise TypeError(f"this program takes {self.captured.num_inputs} inputs, got {len(inputs)}")
         unbound = self.local_graph  # lower outside the simulation (tracing must not see LocalTensorMode)
         with SimulatedMesh(self.mesh.shape, self.mesh.names) as sim:
             local = bind_groups(unbound, group_names(sim.device_mesh))
-            args = []
-            for p, v in zip([n for n in self.graph.graph.nodes if n.op == "placeholder"],
-                            self.placeholder_values(inputs)):
-                args.append(sim.distribute(v.detach(), info(p).spec))
-            coord = coordinate_tensor(sim.device_mesh)
-            outs = local(coord, *args)
-            out_node = next(n for n in self.graph.graph.nodes if n.op == "output")
-            specs = info(out_node).input_specs
+            args = [sim.distribute(v.detach(), info(p).spec) for p, v in zip(self.placeholders, values)]
+            outs = local(coordinate_tensor(sim.device_mesh), *args)
             flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            results = [sim.assemble(o, s) if s is not None else o for o, s in zip(flat, specs)]
-        structure = out_node.args[0]
-        if isinstance(structure, (tuple, list)):
-            return type(structure)(results) if len(results) > 1 else results[0]
-        return results[0]
+            return [sim.assemble(o, s) if s is not None else o for o, s in zip(flat, self.output_specs)]
 
-    def compile(self):
-        raise NotImplementedError("ShardedProgram.compile (Inductor, real process groups) is not built yet; "
-                                  "use simulate() to check a program on simulated ranks")
+    def restructure(self, flat: list):
+        """Flat outputs in the structure the program returns (one value, or a tuple/list)."""
+        structure = next(n for n in self.graph.graph.nodes if n.op == "output").args[0]
+        if isinstance(structure, (tuple, list)):
+            return type(structure)(flat) if len(flat) > 1 else flat[0]
+        return flat[0]
+
+    def compile(self, device_mesh=None, *, inductor: bool = True):
+        """This rank's program, compiled by Inductor (``inductor=False``: the per-rank graph run eagerly).
+
+        Needs an initialised process group and a ``DeviceMesh`` of the program's shape (the one
+        given to ``fxshard.shard``, or ``device_mesh``).  The result takes the global inputs (each
+        rank slices its shard locally: no communication) and returns this rank's shard of every
+        output (``.output_specs``); replicated outputs are the global values.  Parameters are sliced
+        to local shards once, here."""
+        from .backend import CompiledProgram
+
+        dm = device_mesh if device_mesh is not None else self.device_mesh
+        if dm is None:
+            raise ValueError("ShardedProgram.compile needs a DeviceMesh: shard with one, or pass compile(device_mesh)")
+        return CompiledProgram(self, dm, inductor=inductor)
 
     def __repr__(self) -> str:
         kinds = {}

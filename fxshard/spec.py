@@ -227,6 +227,24 @@ class ShardingSpec:
     def local_indices(self, coord: Sequence[int], dim: int) -> list[int]:
         return local_indices(self.shape[dim], self.levels[dim], self.mesh.shape, coord)
 
+    def local_of(self, full: torch.Tensor, coord: Sequence[int]) -> torch.Tensor:
+        """``shard_full`` for hot paths: even block shards are narrowed, not gathered by index;
+        replicated values come back as they are (made contiguous)."""
+        if any(isinstance(p, Partial) for p in self.placements):
+            return self.shard_full(full, coord)
+        out = full
+        for d, lv in enumerate(self.levels):
+            start, size = 0, self.shape[d]
+            for m, sf in lv:  # outermost level first: each splits the block the previous one left
+                k = self.mesh.shape[m]
+                if sf != 1 or size % k:
+                    return self.shard_full(full, coord)
+                size //= k
+                start += coord[m] * size
+            if lv:
+                out = out.narrow(d, start, size)
+        return out.contiguous()
+
     def shard_full(self, full: torch.Tensor, coord: Sequence[int]) -> torch.Tensor:
         """This rank's local tensor of ``full`` (Partial dims: rank 0 of the dim holds the value)."""
         out = full

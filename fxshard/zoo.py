@@ -164,6 +164,18 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+class GraphBreakLlama(Llama):
+    """Llama whose forward breaks dynamo's graph after the first layer (a print, in real models)."""
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, self.rope_cos, self.rope_sin)
+            if i == 0:
+                torch._dynamo.graph_break()
+        return self.output(self.norm(h))
+
+
 class ConvNet(nn.Module):
     def __init__(self, channels=8, classes=10):
         super().__init__()

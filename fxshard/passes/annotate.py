@@ -66,6 +66,23 @@ def _where(rec) -> str:
     return where + code
 
 
+def state_spec(mesh, cons, fqn: str, shape: tuple, dtype) -> tuple[ShardingSpec, str, str | None]:
+    """(spec, provenance, warning) of a parameter / buffer: the plan's placement on the plan dim,
+    replicated otherwise (and where the plan's placement does not divide the shape evenly)."""
+    want = cons.params.get(fqn)
+    pl = [Replicate()] * mesh.ndim
+    if want is not None:
+        pl[cons.dim] = _normalize(want[0], len(shape))
+        spec = ShardingSpec.make(mesh, tuple(pl), shape, dtype, what=f"parameter {fqn}")
+        if is_even(spec):
+            return spec, want[1], None
+        warning = (f"{want[1]} asks for {placements_str(spec.placements)} on {fqn} of shape {shape}, which mesh "
+                   f"{mesh.shape} does not divide evenly; keeping {fqn} replicated")
+        return ShardingSpec.make(mesh, (Replicate(),) * mesh.ndim, shape, dtype), \
+            f"replicated (indivisible for {want[1]})", warning
+    return ShardingSpec.make(mesh, tuple(pl), shape, dtype), "replicated (no plan entry)", None
+
+
 class Annotator:
     def __init__(self, mesh: MeshSpec, cost_model: CostModel, constraints: PlanConstraints,
                  input_placements: Sequence | None, output_placements: Sequence | None, fuse: bool = False):
@@ -79,6 +96,7 @@ class Annotator:
         self.warnings: list[str] = []
         self._cand_cache: dict = {}
         self._decisions: dict = {}
+        self.batch_size: int | None = None  # when known, only inputs with this leading size are batch-sharded
 
     # ---- helpers ----------------------------------------------------------------------------------
     def spec(self, placements, val: torch.Tensor, order=None, what="") -> ShardingSpec:
@@ -104,6 +122,8 @@ class Annotator:
             if m == self.cons.dim:
                 continue
             k = self.mesh.shape[m]
+            if self.batch_size is not None and (val.ndim == 0 or val.shape[0] != self.batch_size):
+                break
             if val.ndim >= 1 and val.shape[0] % (shards * k) == 0:
                 out[m] = Shard(0)
                 shards *= k
@@ -114,21 +134,9 @@ class Annotator:
         rec = info(node)
         val = node.meta["val"]
         if rec.kind in (PARAM, BUFFER, CONSTANT):
-            want = self.cons.params.get(rec.fqn)
-            pl = [Replicate()] * self.mesh.ndim
-            rec.provenance = "replicated (no plan entry)"
-            if want is not None:
-                pl[self.cons.dim] = want[0]
-                spec = self.spec(pl, val, what=f"parameter {rec.fqn}")
-                if is_even(spec):
-                    rec.spec, rec.provenance = spec, want[1]
-                    return
-                self.warn(f"{want[1]} asks for {placements_str(spec.placements)} on {rec.fqn} of shape "
-                          f"{tuple(val.shape)}, which mesh {self.mesh.shape} does not divide evenly; "
-                          f"keeping {rec.fqn} replicated")
-                pl = [Replicate()] * self.mesh.ndim
-                rec.provenance = f"replicated (indivisible for {want[1]})"
-            rec.spec = self.spec(pl, val)
+            rec.spec, rec.provenance, warning = state_spec(self.mesh, self.cons, rec.fqn, tuple(val.shape), val.dtype)
+            if warning:
+                self.warn(warning)
             return
         assert rec.kind == INPUT
         i = rec.input_index
@@ -319,9 +327,14 @@ def _shape_key(x):
 
 
 def annotate(gm: fx.GraphModule, mesh: MeshSpec, constraints: PlanConstraints, *, cost_model: CostModel | None = None,
-             input_placements=None, output_placements=None, fuse: bool = False) -> list[str]:
-    """Fill ``node.meta["fxshard"]`` with placements for every node; returns the warnings."""
+             input_placements=None, output_placements=None, fuse: bool = False,
+             batch_size: int | None = None) -> list[str]:
+    """Fill ``node.meta["fxshard"]`` with placements for every node; returns the warnings.
+
+    ``batch_size``: data-parallel mesh dims shard only inputs of this leading size (default: every
+    input's dim 0 where it divides)."""
     a = Annotator(mesh, cost_model or CostModel(mesh), constraints, input_placements, output_placements, fuse)
+    a.batch_size = batch_size
     for node in gm.graph.nodes:
         rec = info(node)
         if node.op == "placeholder":

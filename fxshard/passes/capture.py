@@ -9,6 +9,7 @@ came from (``nn_module_stack``), its source line and a fake-tensor ``meta["val"]
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..adapter import record_frames_of
+from ..adapter import placeholder_source, record_frames_of
 
 PARAM, BUFFER, CONSTANT, INPUT = "param", "buffer", "constant", "input"
 
@@ -63,6 +64,7 @@ class Captured:
     stage: str = "captured"  # captured -> annotated -> redistributed
     fuse: bool = True  # plan collectives over flattened mesh dims where that is cheaper
     bucket_bytes: int = 25 * 1024 * 1024  # bucket independent collectives up to this size (0: off)
+    batch_size: int | None = None  # data-parallel dims shard only inputs of this leading size (None: all)
 
 
 class _FnModule(nn.Module):
@@ -183,11 +185,21 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, example_kwarg
             kinds[name] = (INPUT, None)
         else:  # pragma: no cover
             raise NotImplementedError(f"fxshard.capture: unsupported graph input kind {k} for {name}")
+    n_inputs = _record(gm, [kinds[p.name] for p in gm.graph.nodes if p.op == "placeholder"])
+    for name, t in list(state.items()):
+        if isinstance(t, nn.Parameter):
+            state[name] = t.detach()
+    return Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
+
+
+def _record(gm: fx.GraphModule, kinds: list[tuple[str, str | None]], roots: dict | None = None) -> int:
+    """Fill every node's NodeInfo (kind, FQN, module, source line); returns the number of user inputs."""
     n_inputs = 0
+    placeholders = iter(kinds)
     for node in gm.graph.nodes:
         rec = info(node)
         if node.op == "placeholder":
-            kind, fqn = kinds[node.name]
+            kind, fqn = next(placeholders)
             rec.kind, rec.fqn = kind, fqn
             if kind == INPUT:
                 rec.input_index = n_inputs
@@ -200,17 +212,220 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, example_kwarg
                 rec.extra["tag"] = node.args[1]
             stack = node.meta.get("nn_module_stack") or {}
             if stack:
-                rec.module = _clean_fqn(list(stack.values())[-1][0])
+                rec.module = _path_fqn(list(stack.values())[-1][0], roots)
             rec.source, rec.code = _source(node.meta.get("stack_trace"))
-    for name, t in list(state.items()):
-        if isinstance(t, nn.Parameter):
-            state[name] = t.detach()
-    return Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
+    return n_inputs
+
+
+# ---- dynamo graphs (the torch.compile backend) ---------------------------------------------------
+
+_SOURCE_PART = re.compile(r"\.(_modules|_parameters|_buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)")
+
+
+def source_fqn(source_name: str, roots: dict | None = None) -> tuple[str, str | None]:
+    """(kind, FQN) of a dynamo placeholder source such as
+    ``L['self']._modules['fc1']._parameters['weight']`` -> (param, "fc1.weight"); ``roots`` gives
+    the FQN prefix of frame locals that are submodules (``{"layer": "layers.1."}``)."""
+    m = re.match(r"^(?:L|G)\['([^']+)'\]", source_name)
+    if m is None:
+        return INPUT, None
+    parts, kind = [], INPUT
+    for a, b, attr in _SOURCE_PART.findall(source_name[m.end():]):
+        if attr:
+            parts.append(attr)
+        else:
+            parts.append(b)
+            if a == "_parameters":
+                kind = PARAM
+            elif a == "_buffers":
+                kind = BUFFER
+    if kind == INPUT or not source_name.startswith("L["):
+        return INPUT, None
+    return kind, (roots or {}).get(m.group(1), "") + ".".join(parts)
+
+
+def _module_path(node: fx.Node, roots: dict | None = None) -> list[str]:
+    return [_path_fqn(path, roots) for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def _path_fqn(path: str, roots: dict | None) -> str:
+    """FQN of a module path such as ``L['layer'].attention.wq``: the frame local's FQN (``roots``,
+    e.g. {"layer": "layers.1."}) + the rest."""
+    m = re.match(r"^L\['([^']+)'\]", path)
+    prefix = (roots or {}).get(m.group(1), "") if m else ""
+    return _join(prefix, _clean_fqn(path))
+
+
+def _join(prefix: str, fqn: str) -> str:
+    return (prefix + fqn if fqn else prefix.rstrip(".")) if prefix else fqn
+
+
+def _insert_dynamo_boundaries(gm: fx.GraphModule, boundaries: dict[str, tuple[int, int]], own, roots=None) -> None:
+    """Mark planned module boundaries in a dynamo graph from its ``nn_module_stack`` metadata.
+
+    A module's inputs are the tensors its nodes consume that are made outside it (not its own
+    parameters / buffers), in order of first use; its outputs are the values it makes that are used
+    outside it, in order of production.  Hooks would be exact, but dynamo has already traced."""
+    graph = gm.graph
+
+    def members_of(fqn):
+        return [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")
+                and fqn in _module_path(n, roots)]
+
+    def mark(value, fqn, tag, like):
+        b = graph.call_function(BOUNDARY, (value, tag))
+        b.meta.update({k: v for k, v in like.meta.items() if k not in ("example_value", "nn_module_stack")})
+        b.meta["example_value"] = value.meta.get("example_value")
+        stack = {}
+        for key, (path, cls) in (like.meta.get("nn_module_stack") or {}).items():
+            stack[key] = (path, cls)
+            if _path_fqn(path, roots) == fqn:
+                break
+        b.meta["nn_module_stack"] = stack  # inside the module, outside its children
+        return b
+
+    depth = lambda fqn: fqn.count(".")
+    # inputs outermost first (an inner module's input is then the outer boundary), outputs innermost first
+    for fqn in sorted(boundaries, key=depth):
+        n_in = boundaries[fqn][0]
+        inside = members_of(fqn)
+        if not n_in or not inside:
+            continue  # the module is not called in this graph (graph break, or unused)
+        members = set(inside)
+        ins = []
+        for n in inside:
+            for a in n.all_input_nodes:
+                if a in members or a in ins or not _is_tensor(a):
+                    continue
+                if a.op == "placeholder" and own(a, fqn):
+                    continue
+                ins.append(a)
+        for i, a in enumerate(ins[:n_in]):
+            with graph.inserting_before(inside[0]):
+                b = mark(a, fqn, f"{fqn}:in:{i}", inside[0])
+            for n in inside:
+                n.replace_input_with(a, b)
+    for fqn in sorted(boundaries, key=depth, reverse=True):
+        n_out = boundaries[fqn][1]
+        inside = members_of(fqn)
+        if not n_out or not inside:
+            continue
+        members = set(inside)
+        outs = [n for n in inside if any(u not in members for u in n.users) and _is_tensor(n)]
+        if len(outs) > n_out:  # a module returns its last value(s); other escapes are internals
+            outs = outs[-n_out:]
+        for i, o in enumerate(outs):
+            users = [u for u in o.users if u not in members]
+            with graph.inserting_after(o):
+                b = mark(o, fqn, f"{fqn}:out:{i}", o)
+            for u in users:
+                u.replace_input_with(o, b)
+    graph.lint()
+    gm.recompile()
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    v = n.meta.get("example_value", n.meta.get("val"))
+    return isinstance(v, torch.Tensor)
+
+
+def dynamo_sources(gm: fx.GraphModule) -> list[str | None]:
+    """Every placeholder's dynamo source name; read them in the backend call (dynamo drops them after)."""
+    return [placeholder_source(p) for p in gm.graph.nodes if p.op == "placeholder"]
+
+
+def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[str, tuple[int, int]] | None = None,
+                         roots: dict[str, str] | None = None, sources: Sequence[str | None] | None = None) -> Captured:
+    """A dynamo graph + this call's concrete arguments -> a Captured ATen graph.
+
+    Shapes are specialised to ``args`` (the backend captures once per input signature).  Placeholders
+    become parameters / buffers (by their dynamo source, e.g. ``L['self']._modules['fc1']._parameters
+    ['weight']`` -> ``fc1.weight``) or user inputs; SymInt arguments are baked in as their values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.traceback import preserve_node_meta
+
+    sources = list(sources) if sources is not None else dynamo_sources(gm)
+    gm = copy.deepcopy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds = []
+    for src in sources:
+        kinds.append(source_fqn(src, roots) if src else (INPUT, None))
+    fqn_of = {p: k[1] for p, k in zip(placeholders, kinds)}
+
+    def own(a, module_fqn):
+        f = fqn_of.get(a)
+        return f is not None and f.startswith(module_fqn + ".")
+
+    if boundaries:
+        _insert_dynamo_boundaries(gm, boundaries, own, roots)
+    _bake_python_scalars(gm, placeholders, args)
+    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    fixed = {i: (int(a) if isinstance(a, (int, torch.SymInt)) else a) for i, a in enumerate(args)
+             if not isinstance(a, torch.Tensor)}
+
+    def run(*tensors):
+        full = dict(fixed)
+        full.update(zip(tensor_pos, tensors))
+        return fx.Interpreter(gm).run(*[full[i] for i in range(len(args))])
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes = [mode.from_tensor(args[i].detach()) for i in tensor_pos]
+    with warnings.catch_warnings(), preserve_node_meta():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        traced = make_fx(torch.func.functionalize(run, remove="mutations"),
+                         decomposition_table=_decomposition_table(), tracing_mode="fake")(*fakes)
+    _check_no_input_mutation(traced)
+    state: dict[str, torch.Tensor] = {}
+    kept = []
+    n_inputs = 0
+    for i in tensor_pos:
+        kind, fqn = kinds[i]
+        if kind in (PARAM, BUFFER):
+            state[fqn] = args[i].detach()
+        else:
+            n_inputs += 1
+        kept.append((kind, fqn))
+    new_placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for n, i in zip(new_placeholders, tensor_pos):
+        n.meta["fxshard_arg_index"] = i
+    _record(traced, kept, roots)
+    traced.graph.lint()
+    traced.recompile()
+    return Captured(traced, state, n_inputs, None)
+
+
+def _bake_python_scalars(gm: fx.GraphModule, placeholders, args) -> None:
+    """Python numbers dynamo passes as 0-d tensors (``.item()`` in the graph, e.g. an Embedding's
+    ``norm_type`` under dynamic=True) become constants: the backend specialises per call anyway."""
+    changed = False
+    for p, a in zip(placeholders, args):
+        if not (isinstance(a, torch.Tensor) and a.ndim == 0):
+            continue
+        for u in list(p.users):
+            if u.op == "call_method" and u.target == "item":
+                value = a.item()
+                for user in list(u.users):
+                    user.args = fx.node.map_arg(user.args, lambda n, u=u, v=value: v if n is u else n)
+                    user.kwargs = fx.node.map_arg(user.kwargs, lambda n, u=u, v=value: v if n is u else n)
+                gm.graph.erase_node(u)
+                changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _check_no_input_mutation(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+            raise NotImplementedError(
+                f"fxshard: the compiled code mutates its input {n.args[0].name} in place; in-place updates of "
+                f"parameters, buffers or inputs inside a sharded graph are not supported yet")
 
 
 def _clean_fqn(path: str) -> str:
     # nn_module_stack paths look like "L['self'].layers[0].attention" in some versions; normalise
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")

@@ -50,10 +50,11 @@ def local_shape(spec) -> tuple[int, ...]:
 
 
 class _LocalInterpreter(fx.Interpreter):
-    def __init__(self, gm, groups, coord):
+    def __init__(self, gm, groups, coord, device=None):
         super().__init__(gm)
         self.groups = groups
         self.coord = coord
+        self.device = device
 
     def run_node(self, n):
         rec = info(n)
@@ -75,6 +76,10 @@ class _LocalInterpreter(fx.Interpreter):
         if n.op == "call_function" and rec.extra.get("vocab_dims"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return _vocab_parallel_embedding(args[0], args[1], info(n).input_specs[0], self.coord)
+        if self.device is not None and n.op == "call_function" and "device" in n.kwargs:
+            # factories made where the program was captured (e.g. meta) run where it is compiled
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return n.target(*args, **{**kwargs, "device": self.device})
         return super().run_node(n)
 
 
@@ -93,20 +98,25 @@ def _vocab_parallel_embedding(weight, indices, wspec, coord):
     return out.masked_fill(mask.unsqueeze(-1), 0)
 
 
-def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, groups=None) -> fx.GraphModule:
-    """The per-rank graph: inputs ``(coord, *local placeholders)``, outputs local shards."""
+def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, groups=None, device=None) -> fx.GraphModule:
+    """The per-rank graph: inputs ``(coord, *local placeholders)``, outputs local shards.
+
+    ``device``: where the graph will run (factory ops are moved there); default: where it was captured."""
     groups = groups if groups is not None else placeholder_group_names(mesh_ndim)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    device = torch.device(device) if device is not None else None
 
     def run(coord, *args):
-        return _LocalInterpreter(gm, groups, coord).run(*args)
+        return _LocalInterpreter(gm, groups, coord, device).run(*args)
 
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     with fm:
-        fakes = [torch.zeros(mesh_ndim, dtype=torch.long)]
+        fakes = [torch.zeros(mesh_ndim, dtype=torch.long, device=device)]
         for p in placeholders:
             spec = info(p).spec
-            fakes.append(torch.empty(local_shape(spec), dtype=spec.dtype))
+            val = p.meta.get("val")
+            where = device if device is not None else (val.device if isinstance(val, torch.Tensor) else None)
+            fakes.append(torch.empty(local_shape(spec), dtype=spec.dtype, device=where))
     local = make_fx(run, tracing_mode="fake")(*fakes)
     # name the inputs after the global graph's placeholders (the first is the mesh coordinate)
     names = ["mesh_coord"] + [p.name for p in placeholders]

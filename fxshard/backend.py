@@ -1,0 +1,328 @@
+"""The ``torch.compile`` backend and the Inductor hand-off.
+
+    torch.compile(model, backend="fxshard", options={"mesh": device_mesh, "plan": plan})
+
+Each dynamo graph is sharded on its own: its parameters (found by their dynamo sources) take the
+plan's placements, its user inputs are the global values every rank holds (each rank slices its shard
+locally, no communication), and its outputs are handed back replicated, i.e. as the global values, so
+whatever runs between graphs (a graph break) sees exactly what the single-device program would.
+
+Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
+first call, with the call's concrete shapes: recompiles on new shapes work, and dynamo's dynamic
+shapes are specialised per signature rather than compiled symbolically.  Parameters are sliced to
+local shards once and cached; a replaced parameter (new object) or one updated in place (its version
+counter moves) is sliced again.
+
+Options (``options={...}``): ``mesh`` (a ``DeviceMesh``; a ``MeshSpec`` or shape with
+``simulate=True``), ``plan`` (ParallelStyle / tp_plan dict, ``{}`` for none), ``tp_dim``, ``fuse``,
+``bucket_bytes``, ``cost_model``, ``inductor`` (False: run the per-rank graph eagerly, for
+debugging), ``simulate`` (True: run every rank in this process with exact collectives; outputs
+are the global values; no process group needed).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .adapter import calling_modules, dynamo_frame_locals, inductor_compile, placeholder_source
+from .cost import CostModel
+from .mesh import MeshSpec
+from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, capture_dynamo_graph, dynamo_sources, info
+from .passes.lower import bind_groups, local_shape
+from .planner.execute import group_names
+from .plans import PlanConstraints, plan_dim, resolve_plan
+
+log = logging.getLogger("fxshard")
+
+OPTIONS = ("mesh", "plan", "tp_dim", "fuse", "bucket_bytes", "cost_model", "inductor", "simulate")
+
+
+def device_of(device_mesh) -> torch.device:
+    t = device_mesh.device_type
+    if t == "cpu":
+        return torch.device("cpu")
+    return torch.device(t, torch.get_device_module(t).current_device())
+
+
+class CompiledProgram:
+    """One rank's compiled program (``ShardedProgram.compile``).
+
+    ``fn(*inputs)`` takes the global inputs and returns this rank's shard of every output
+    (``output_specs``; replicated outputs are global values).  ``run_local(local_args)`` runs on
+    local shards of every placeholder (parameters included), in ``program.placeholders`` order."""
+
+    def __init__(self, program, device_mesh, *, inductor: bool = True, params: dict | None = None):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedProgram.compile needs an initialised process group "
+                               "(torch.distributed.init_process_group) and a DeviceMesh; to run every rank in "
+                               "one process use simulate() instead")
+        if tuple(device_mesh.shape) != tuple(program.mesh.shape):
+            raise ValueError(f"the program was sharded for mesh {program.mesh.shape}, the DeviceMesh is "
+                             f"{tuple(device_mesh.shape)}")
+        coord = device_mesh.get_coordinate()
+        if coord is None:
+            raise RuntimeError("this rank is not part of the device mesh")
+        self.program = program
+        self.device_mesh = device_mesh
+        self.device = device_of(device_mesh)
+        self.coord_ints = tuple(int(c) for c in coord)
+        self.coord = torch.tensor(self.coord_ints, dtype=torch.long, device=self.device)
+        self.specs = [info(p).spec for p in program.placeholders]
+        self.output_specs = program.output_specs
+        local = bind_groups(program.local_graph_on(self.device), group_names(device_mesh))
+        example = [self.coord] + [torch.empty(local_shape(s), dtype=s.dtype, device=self.device) for s in self.specs]
+        self.inductor = inductor
+        self.fn = inductor_compile(local, example) if inductor else local
+        self.local_graph = local
+        # parameters, buffers and constants: sliced once (given, for modules that hold local shards)
+        self.state: dict[str, torch.Tensor] = {}
+        for p, spec in zip(program.placeholders, self.specs):
+            rec = info(p)
+            if rec.kind in (PARAM, BUFFER, CONSTANT):
+                if params is not None and rec.fqn in params:
+                    self.state[rec.fqn] = params[rec.fqn]
+                elif params is None:
+                    self.state[rec.fqn] = self.local_of(program.captured.state[rec.fqn], spec)
+
+    def local_of(self, full: torch.Tensor, spec) -> torch.Tensor:
+        """This rank's shard of a global tensor (a local slice, no communication)."""
+        return spec.local_of(full.detach().to(self.device), self.coord_ints)
+
+    def run_local(self, local_args) -> list:
+        outs = self.fn(self.coord, *local_args)
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+    def __call__(self, *inputs):
+        prog = self.program
+        if len(inputs) != prog.captured.num_inputs:
+            raise TypeError(f"this program takes {prog.captured.num_inputs} inputs, got {len(inputs)}")
+        args = []
+        for p, spec in zip(prog.placeholders, self.specs):
+            rec = info(p)
+            if rec.kind in (PARAM, BUFFER, CONSTANT):
+                args.append(self.state[rec.fqn])
+            else:
+                args.append(self.local_of(inputs[rec.input_index], spec))
+        return prog.restructure(self.run_local(args))
+
+
+# ---- the dynamo backend ---------------------------------------------------------------------------
+
+@dataclass
+class BackendOptions:
+    mesh: object  # DeviceMesh, or MeshSpec when simulating
+    plan: dict
+    tp_dim: int | str | None = None
+    fuse: bool = True
+    bucket_bytes: int = 25 * 1024 * 1024
+    cost_model: object = None
+    inductor: bool = True
+    simulate: bool = False
+
+    @classmethod
+    def parse(cls, options: dict | None) -> BackendOptions:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"fxshard backend: unknown option(s) {unknown}; known: {list(OPTIONS)}")
+        if "mesh" not in options or "plan" not in options:
+            missing = [k for k in ("mesh", "plan") if k not in options]
+            raise ValueError(
+                f"fxshard backend: missing option(s) {missing}. Use torch.compile(model, backend=\"fxshard\", "
+                f"options={{\"mesh\": device_mesh, \"plan\": plan}}) with a DeviceMesh (init_device_mesh) and a "
+                f"plan mapping module FQNs to ParallelStyles, e.g. {{\"fc1\": ColwiseParallel(), \"fc2\": "
+                f"RowwiseParallel()}} ({{}} for none); add \"simulate\": True with a MeshSpec to run every rank "
+                f"in one process")
+        opts = cls(**options)
+        if opts.plan == "auto":
+            raise NotImplementedError("fxshard backend: plan=\"auto\" is not built yet; pass a plan")
+        if not isinstance(opts.plan, dict):
+            raise TypeError(f"fxshard backend: plan must be a dict of module FQN -> ParallelStyle, got "
+                            f"{type(opts.plan).__name__}")
+        if isinstance(opts.mesh, (tuple, list)):
+            opts.mesh = MeshSpec(tuple(opts.mesh))
+        if isinstance(opts.mesh, MeshSpec) and not opts.simulate:
+            raise ValueError("fxshard backend: running needs a DeviceMesh (init_process_group + init_device_mesh); "
+                             "a MeshSpec only works with \"simulate\": True")
+        return opts
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return MeshSpec.from_device_mesh(self.mesh)
+
+
+class _PlanScope:
+    """The plan resolved against the top module of a compile (per options dict).  Graphs traced after
+    a graph break see submodules as frame locals (``L['layer']``): their FQNs get the submodule's
+    prefix in the top module (``layers.1.``)."""
+
+    def __init__(self):
+        self.tops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def resolve(self, opts: BackendOptions, frame_modules: dict[str, nn.Module]) -> tuple[PlanConstraints, dict]:
+        mesh = opts.mesh_spec
+        if not frame_modules:
+            if opts.plan:
+                raise ValueError("fxshard backend: a module plan needs torch.compile of an nn.Module (this graph "
+                                 "has no module parameters); pass plan={} for plain functions")
+            return self._default(mesh, opts), {}
+        for top, cons in self.tops.items():
+            roots = _prefixes(top, frame_modules)
+            if roots is not None:
+                return cons, roots
+        # a new top: the outermost module running (a graph break may have left the model's own frame
+        # to eager Python), else the frame module that contains the others
+        for top in [*calling_modules(), *frame_modules.values()]:
+            roots = _prefixes(top, frame_modules)
+            if roots is not None:
+                cons = resolve_plan(opts.plan, top, mesh, opts.tp_dim) if opts.plan else self._default(mesh, opts)
+                self.tops[top] = cons
+                return cons, roots
+        raise ValueError(f"fxshard backend: the graph uses modules {sorted(frame_modules)} that are not parts of one "
+                         f"module; compile the top-level module")
+
+    @staticmethod
+    def _default(mesh, opts) -> PlanConstraints:
+        default_dim = opts.tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
+        return PlanConstraints(dim=plan_dim(mesh, opts.tp_dim) if default_dim else None)
+
+
+def _prefixes(top: nn.Module, frame_modules: dict[str, nn.Module]) -> dict[str, str] | None:
+    """{frame local: its FQN prefix in ``top``}, or None if some frame module is not inside ``top``."""
+    where = {id(m): name for name, m in top.named_modules()}
+    out = {}
+    for local, mod in frame_modules.items():
+        if id(mod) not in where:
+            return None
+        out[local] = where[id(mod)] + "." if where[id(mod)] else ""
+    return out
+
+
+_SCOPES: dict[int, tuple[dict, _PlanScope]] = {}
+_GRAPHS: list[weakref.ref] = []  # every ShardedGraph handed to dynamo (for compiled_programs)
+
+
+def compiled_programs() -> list:
+    """The ShardedPrograms the backend has built (oldest first), for ``explain()`` and tests."""
+    live = [g() for g in _GRAPHS]
+    return [p for g in live if g is not None for p in g.programs]
+
+
+def _frame_modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
+    """The frame locals that are modules and own this graph's parameters / buffers."""
+    import re
+
+    names = set()
+    for p in gm.graph.nodes:
+        if p.op == "placeholder":
+            m = re.match(r"^L\['([^']+)'\]\._(modules|parameters|buffers)\[", placeholder_source(p) or "")
+            if m:
+                names.add(m.group(1))
+    frame = dynamo_frame_locals()
+    return {n: frame[n] for n in sorted(names) if isinstance(frame.get(n), nn.Module)}
+
+
+class ShardedGraph:
+    """What the backend hands dynamo for one graph: captures, shards and compiles per input signature."""
+
+    def __init__(self, gm: fx.GraphModule, opts: BackendOptions, constraints: PlanConstraints, roots: dict):
+        self.gm = gm
+        self.opts = opts
+        self.constraints = constraints
+        self.roots = roots
+        self.sources = dynamo_sources(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        self.returns_sequence = isinstance(out, (tuple, list))
+        self.num_outputs = len(out) if self.returns_sequence else 1
+        self.entries: dict = {}
+        self._shards: dict[int, tuple] = {}  # arg index -> (weakref to the global tensor, version, local shard)
+        self.programs: list = []  # every ShardedProgram built (debugging: explain())
+
+    def _key(self, args):
+        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else
+                     (int(a) if isinstance(a, (int, torch.SymInt)) else type(a)) for a in args)
+
+    def __call__(self, *args):
+        key = self._key(args)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._build(args)
+        flat = entry(args)
+        return tuple(flat) if self.returns_sequence else flat[0]
+
+    def _build(self, args):
+        from . import api
+
+        opts = self.opts
+        mesh = opts.mesh_spec
+        cm = opts.cost_model or CostModel(mesh)
+        c = capture_dynamo_graph(self.gm, args, self.constraints.hooked, self.roots, self.sources)
+        c.mesh, c.device_mesh, c.constraints, c.cost_model = mesh, None if opts.simulate else opts.mesh, \
+            self.constraints, cm
+        c.fuse, c.bucket_bytes = opts.fuse, opts.bucket_bytes
+        # the batch is the leading dim of the first user input; other inputs (rope tables handed to a
+        # layer's frame after a graph break, masks) stay replicated on the data-parallel dims
+        first = next((p.meta["val"] for p in c.gm.graph.nodes if p.op == "placeholder" and info(p).kind == INPUT), None)
+        c.batch_size = first.shape[0] if first is not None and first.ndim else None
+        replicated = tuple(_replicate() for _ in range(mesh.ndim))
+        api.annotate(c, output_placements=[replicated] * self.num_outputs)
+        api.redistribute(c)
+        prog = api.program(c)
+        self.programs.append(prog)
+        arg_index = [p.meta["fxshard_arg_index"] for p in prog.placeholders]
+        if opts.simulate:
+            return lambda a: prog.simulate_placeholders([a[i] for i in arg_index])
+        compiled = CompiledProgram(prog, opts.mesh, inductor=opts.inductor, params={})
+        kinds = [info(p).kind for p in prog.placeholders]
+
+        def run(a):
+            local = []
+            for i, kind, spec in zip(arg_index, kinds, compiled.specs):
+                t = a[i]
+                if kind in (PARAM, BUFFER, CONSTANT):
+                    local.append(self._cached_shard(i, t, spec, compiled))
+                else:
+                    local.append(compiled.local_of(t, spec))
+            return compiled.run_local(local)
+
+        return run
+
+    def _cached_shard(self, i, t, spec, compiled):
+        hit = self._shards.get(i)
+        if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2].shape == local_shape(spec):
+            return hit[2]
+        local = compiled.local_of(t, spec)
+        self._shards[i] = (weakref.ref(t), t._version, local)
+        return local
+
+
+def _replicate():
+    from .adapter import Replicate
+
+    return Replicate()
+
+
+def fxshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """``torch.compile(..., backend="fxshard", options={"mesh": ..., "plan": ...})``."""
+    if kwargs:
+        raise ValueError(f"fxshard backend: unexpected arguments {sorted(kwargs)}; pass settings in options={{...}}")
+    opts = BackendOptions.parse(options)
+    key = id(options)
+    if key not in _SCOPES or _SCOPES[key][0] is not options:
+        _SCOPES[key] = (options, _PlanScope())
+    constraints, roots = _SCOPES[key][1].resolve(opts, _frame_modules(gm))
+    graph = ShardedGraph(gm, opts, constraints, roots)
+    _GRAPHS[:] = [g for g in _GRAPHS if g() is not None] + [weakref.ref(graph)]
+    log.info("fxshard backend: graph with %d nodes (frame modules %s)", len(gm.graph.nodes), roots)
+    return graph
+
+
+__all__ = ["fxshard_backend", "compiled_programs", "CompiledProgram", "BackendOptions", "ShardedGraph"]

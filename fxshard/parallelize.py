@@ -1,0 +1,213 @@
+"""Local-shard modules: ``fxshard.parallelize(model, device_mesh, plan)``.
+
+The returned module's parameters are this rank's shards only (plain tensors of local shape, so
+``torch.optim`` works on them unchanged).  A model built on the ``meta`` device is materialised one
+parameter at a time, so a model too large for one rank fits; its values then come from
+``load_full_state_dict`` (streamed: one global tensor at a time) or an ``init_fn``.
+
+Calling the module captures the model (on ``meta``: no memory) for the input shapes at hand, shards
+it with the same plan, compiles the per-rank program with Inductor and runs it on the local shards.
+Inputs are the global values (every rank passes the same); outputs are this rank's shards of the
+results (``output_specs``), i.e. the global values for replicated outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from .backend import CompiledProgram, device_of
+from .cost import CostModel
+from .mesh import MeshSpec
+from .passes.annotate import state_spec
+from .passes.capture import BUFFER, CONSTANT, PARAM, info
+from .passes.lower import local_shape
+from .plans import PlanConstraints, plan_dim, resolve_plan
+
+
+def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    path, _, name = fqn.rpartition(".")
+    return (model.get_submodule(path) if path else model), name
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, model: nn.Module, device_mesh, plan: dict, *, tp_dim=None, fuse: bool = True,
+                 bucket_bytes: int = 25 * 1024 * 1024, cost_model=None, inductor: bool = True,
+                 init_fn: Callable | None = None):
+        super().__init__()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("fxshard.parallelize needs an initialised process group and a DeviceMesh")
+        self.module = model
+        self.device_mesh = device_mesh
+        self.mesh = MeshSpec.from_device_mesh(device_mesh)
+        self.plan = plan
+        self.tp_dim = tp_dim
+        self.options = dict(fuse=fuse, bucket_bytes=bucket_bytes, cost_model=cost_model or CostModel(self.mesh))
+        self.inductor = inductor
+        self.device = device_of(device_mesh)
+        coord = device_mesh.get_coordinate()
+        if coord is None:
+            raise RuntimeError("this rank is not part of the device mesh")
+        self.coord = tuple(int(c) for c in coord)
+        if plan:
+            self.constraints = resolve_plan(plan, model, self.mesh, tp_dim)
+        else:
+            default = tp_dim is not None or self.mesh.ndim == 1 or bool(self.mesh.names and "tp" in self.mesh.names)
+            self.constraints = PlanConstraints(dim=plan_dim(self.mesh, tp_dim) if default else None)
+        self.specs: dict = {}  # fqn -> global ShardingSpec of every parameter and buffer
+        self.warnings: list[str] = []
+        self.uninitialised: set[str] = set()
+        self._materialise(init_fn)
+        self._programs: dict = {}
+
+    # ---- sharding the state -------------------------------------------------------------------------
+    def _materialise(self, init_fn):
+        model = self.module
+        entries = [(f, t, True) for f, t in model.named_parameters()] + \
+                  [(f, t, False) for f, t in model.named_buffers()]
+        for fqn, t, is_param in entries:
+            spec, _prov, warning = state_spec(self.mesh, self.constraints, fqn, tuple(t.shape), t.dtype)
+            if warning:
+                self.warnings.append(warning)
+            self.specs[fqn] = spec
+            with torch.no_grad():
+                if t.device.type == "meta":
+                    local = torch.empty(local_shape(spec), dtype=t.dtype, device=self.device)
+                    if init_fn is not None:
+                        init_fn(fqn, local, spec)
+                    else:
+                        self.uninitialised.add(fqn)
+                else:
+                    local = spec.local_of(t.detach().to(self.device), self.coord).clone()
+            owner, name = _owner(model, fqn)
+            if is_param:
+                setattr(owner, name, nn.Parameter(local, requires_grad=t.requires_grad))
+            else:
+                owner._buffers[name] = local
+            del t, local  # a global tensor is freed as soon as its shard replaces it
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer as its global tensor (gathered; on every rank)."""
+        from .planner import plan_between
+        from .planner.execute import execute_plan, group_names
+        from .spec import ShardingSpec
+
+        groups = group_names(self.device_mesh)
+        persistent = set(self.module.state_dict(keep_vars=True))
+        out = {}
+        for fqn, spec in self.specs.items():
+            if fqn not in persistent:
+                continue
+            local = self._local(fqn).detach()
+            if all(not lv for lv in spec.levels):
+                out[fqn] = local.clone()
+                continue
+            full = ShardingSpec.make(spec.mesh, (_replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
+            plan = plan_between(spec, full, self.options["cost_model"])
+            out[fqn] = execute_plan(plan, local.contiguous(), groups, self.coord)
+        return out
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load global tensors: each rank copies its own shard (non-persistent buffers may be given too)."""
+        unexpected = sorted(set(state_dict) - set(self.specs))
+        missing = sorted(set(self.module.state_dict(keep_vars=True)) - set(state_dict))
+        if strict and (unexpected or missing):
+            raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for fqn, full in state_dict.items():
+                if fqn not in self.specs:
+                    continue
+                spec = self.specs[fqn]
+                if tuple(full.shape) != spec.shape:
+                    raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, the model's is "
+                                     f"{spec.shape}")
+                self._local(fqn).copy_(spec.local_of(full.to(self.device), self.coord))
+                self.uninitialised.discard(fqn)
+
+    def _local(self, fqn: str) -> torch.Tensor:
+        owner, name = _owner(self.module, fqn)
+        return getattr(owner, name)
+
+    def local_bytes(self) -> int:
+        """Bytes of parameters and buffers this rank holds."""
+        return sum(self._local(f).numel() * self._local(f).element_size() for f in self.specs)
+
+    # ---- running ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _global_meta_state(self):
+        """Swap every local shard for a meta tensor of the global shape while capturing."""
+        saved = []
+        for fqn, spec in self.specs.items():
+            owner, name = _owner(self.module, fqn)
+            local = getattr(owner, name)
+            meta = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+            if isinstance(local, nn.Parameter):
+                owner._parameters[name] = nn.Parameter(meta, requires_grad=local.requires_grad)
+            else:
+                owner._buffers[name] = meta
+            saved.append((owner, name, local, isinstance(local, nn.Parameter)))
+        try:
+            yield
+        finally:
+            for owner, name, local, is_param in saved:
+                (owner._parameters if is_param else owner._buffers)[name] = local
+
+    def program_for(self, *inputs):
+        """The ShardedProgram (and its compiled form) for inputs of these shapes."""
+        from . import api
+
+        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+        hit = self._programs.get(key)
+        if hit is not None:
+            return hit
+        meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+                       for x in inputs]
+        with self._global_meta_state():
+            prog = api.shard(self.module, self.mesh, self.plan, example_inputs=meta_inputs, tp_dim=self.tp_dim,
+                             **self.options)
+        for p in prog.placeholders:
+            rec = info(p)
+            if rec.kind in (PARAM, BUFFER, CONSTANT) and rec.spec != self.specs[rec.fqn]:
+                raise AssertionError(f"fxshard.parallelize: {rec.fqn} was sharded as {self.specs[rec.fqn]} but the "
+                                     f"program wants {rec.spec}")
+        compiled = CompiledProgram(prog, self.device_mesh, inductor=self.inductor, params={})
+        self._programs[key] = (prog, compiled)
+        return prog, compiled
+
+    @property
+    def output_specs(self):
+        return next(iter(self._programs.values()))[0].output_specs if self._programs else None
+
+    def forward(self, *inputs):
+        if self.uninitialised:
+            raise RuntimeError(f"fxshard.parallelize: {len(self.uninitialised)} tensors of the meta-built model have "
+                               f"no values yet (e.g. {sorted(self.uninitialised)[:3]}); call "
+                               f"load_full_state_dict(...) or pass init_fn= to parallelize")
+        prog, compiled = self.program_for(*inputs)
+        args = []
+        for p, spec in zip(prog.placeholders, compiled.specs):
+            rec = info(p)
+            if rec.kind in (PARAM, BUFFER, CONSTANT):
+                args.append(self._local(rec.fqn))
+            else:
+                args.append(compiled.local_of(inputs[rec.input_index], spec))
+        return prog.restructure(compiled.run_local(args))
+
+
+def _replicate():
+    from .adapter import Replicate
+
+    return Replicate()
+
+
+def parallelize(model: nn.Module, device_mesh, plan: dict, **kwargs) -> ParallelModule:
+    """``model`` with every parameter replaced by this rank's shard (see the module docstring).
+
+    ``kwargs``: ``tp_dim``, ``fuse``, ``bucket_bytes``, ``cost_model``, ``inductor`` (False: run the
+    per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)`` (fills shards of a meta-built model)."""
+    return ParallelModule(model, device_mesh, plan, **kwargs)

@@ -1,0 +1,98 @@
+"""Functions run on every rank of the multi-process (gloo) tests; module-level so spawn can import them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import fxshard
+from fxshard import zoo
+
+MODELS = {
+    "mlp": (lambda: zoo.MLP(), zoo.mlp_plan),
+    "llama": (lambda: zoo.Llama(zoo.LlamaConfig()), zoo.megatron_tp_plan),
+    "llama_sp": (lambda: zoo.Llama(zoo.LlamaConfig()), zoo.sequence_parallel_plan),
+    "graph_break": (lambda: zoo.GraphBreakLlama(zoo.LlamaConfig()), zoo.megatron_tp_plan),
+}
+
+
+def _rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def compile_zoo(rank, world, cases):
+    """For each (model, mesh shape, mesh names, path): the max relative error against single device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    for name, shape, names, path in cases:
+        make, plan = MODELS[name]
+        model = zoo.init_weights(make(), seed=0)
+        x = zoo.example_input(model, generator=torch.Generator().manual_seed(1))
+        ref = model(*x).detach()
+        dm = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        if path == "program":
+            prog = fxshard.shard(model, dm, plan(), example_inputs=x)
+            fn = prog.compile()
+            got = fn(*x)
+            want = fn.output_specs[0].local_of(ref, fn.coord_ints)  # this rank's shard of the result
+        else:
+            torch._dynamo.reset()
+            f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": plan(),
+                                                                  "inductor": path != "backend_eager"})
+            got, want = f(*x), ref
+            got2 = f(*x)  # cached parameter shards, same answer
+            assert torch.equal(got, got2)
+            if path == "backend_updates":
+                out.append((name, shape, path, _rel(got.detach(), want)))
+                with torch.no_grad():  # an optimizer-style in-place update, then a replaced parameter
+                    model.fc1.weight.mul_(0.5)
+                out.append((name, shape, "in-place update", _rel(f(*x).detach(), model(*x).detach())))
+                model.fc2.weight = nn.Parameter(torch.randn_like(model.fc2.weight))
+                got, want = f(*x), model(*x).detach()
+        out.append((name, shape, path, _rel(got.detach(), want)))
+    return out
+
+
+def parallelize_meta(rank, world, tp):
+    """A meta-built Llama, parallelized and loaded shard by shard: bytes held, peak memory, results."""
+    import tracemalloc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = zoo.LlamaConfig()
+    ref_model = zoo.init_weights(zoo.Llama(cfg), seed=0)
+    full_sd = {**ref_model.state_dict(), "rope_cos": ref_model.rope_cos, "rope_sin": ref_model.rope_sin}
+    x = zoo.example_input(ref_model, generator=torch.Generator().manual_seed(1))
+    ref = ref_model(*x).detach()
+    dm = init_device_mesh("cpu", (world,) if tp else (2, world // 2), mesh_dim_names=("tp",) if tp else ("dp", "tp"))
+    with torch.device("meta"):
+        model = zoo.Llama(cfg)
+    tracemalloc.start()
+    pm = fxshard.parallelize(model, dm, zoo.megatron_tp_plan())
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    held = pm.local_bytes()
+    with pytest_raises(RuntimeError, "load_full_state_dict"):
+        pm(*x)
+    pm.load_full_state_dict(full_sd)
+    out = pm(*x)
+    want = pm.output_specs[0].local_of(ref, pm.coord)
+    back = pm.full_state_dict()
+    same = all(torch.equal(back[k], v) for k, v in ref_model.state_dict().items())
+    total = sum(t.numel() * t.element_size() for t in full_sd.values())
+    return dict(rel=_rel(out.detach(), want), held=held, peak=peak, total=total, roundtrip=same,
+                n_params=sum(p.numel() for p in pm.parameters()))
+
+
+class pytest_raises:  # pytest is not imported in the workers
+    def __init__(self, exc, text):
+        self.exc, self.text = exc, text
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, val, tb):
+        if typ is None or not issubclass(typ, self.exc) or self.text not in str(val):
+            raise AssertionError(f"expected {self.exc.__name__} mentioning {self.text!r}, got {typ}: {val}")
+        return True

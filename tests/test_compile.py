@@ -1,0 +1,221 @@
+"""Compile it: the torch.compile backend, prog.compile() and local-shard modules.
+
+Breadth runs in this process (the backend's ``simulate`` option: every rank, exact collectives);
+the end-to-end checks run Inductor's output on real gloo process groups (2 and 4 ranks, slow).
+"""
+
+from collections import Counter
+
+import e2e_workers
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from models import MLP, ConvNet, Llama, example_input, init_weights, megatron_tp_plan, mlp_plan
+
+import fxshard
+from fxshard import zoo
+from fxshard.backend import ShardedGraph, compiled_programs
+from fxshard.launch import spawn
+from fxshard.passes.capture import info
+
+MESH_TP = fxshard.MeshSpec((4,), names=("tp",))
+MESH_DP_TP = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
+
+
+def _compile(model, mesh, plan, **kw):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="fxshard", options={"mesh": mesh, "plan": plan, "simulate": True}, **kw)
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _kinds(prog):
+    return dict(Counter(c.kind for c in prog.collectives()))
+
+
+@pytest.mark.parametrize("name,mesh,plan,expect", [
+    ("mlp", MESH_TP, mlp_plan, {"all_reduce": 1}),
+    # the dp dim's batch shards are gathered at the end: a graph hands back global values
+    ("llama", MESH_DP_TP, megatron_tp_plan, {"all_reduce": 4, "all_gather": 1}),
+    # sequence parallel: DTensor's 5 AG + 5 RS, plus the gather of the vocab-sharded logits
+    ("llama_sp", MESH_TP, zoo.sequence_parallel_plan, {"all_gather": 6, "reduce_scatter": 5}),
+])
+def test_backend_matches_single_device(name, mesh, plan, expect):
+    model = init_weights(MLP() if name == "mlp" else Llama())
+    x = example_input(model)
+    f = _compile(model, mesh, plan())
+    _close(f(*x), model(*x))
+    prog = compiled_programs()[-1]
+    assert _kinds(prog) == expect
+    # the same program as fxshard.shard builds from torch.export, bar the final gathers
+    direct = _kinds(fxshard.shard(model, mesh, plan(), example_inputs=x))
+    for kind, n in direct.items():
+        assert expect.get(kind, 0) >= n
+
+
+def test_backend_without_plan_entries_replicates_and_matches():
+    model = init_weights(ConvNet())
+    x = example_input(model)
+    _close(_compile(model, fxshard.MeshSpec((2,)), {})(*x), model(*x))
+
+
+def test_graph_break_gives_the_same_result():
+    model = init_weights(zoo.GraphBreakLlama())
+    plain = init_weights(Llama())
+    x = example_input(model)
+    n_before = len(compiled_programs())
+    f = _compile(model, MESH_DP_TP, megatron_tp_plan())
+    _close(f(*x), plain(*x))
+    progs = compiled_programs()[n_before:]
+    # dynamo compiles each layer's frame on its own after a break in the loop (and may reuse one
+    # layer's graph for the next: placements are then layer 0's, values layer 1's, still correct):
+    # parameters are found by FQN in the whole model, so the plan applies, 2 all-reduces per layer
+    layers = [p for p in progs if any((info(n).fqn or "").endswith("attention.wq.weight") for n in p.placeholders)]
+    assert layers and all(_kinds(p).get("all_reduce") == 2 for p in layers)
+    assert all(info(n).fqn.startswith("layers.") for p in layers for n in p.placeholders if info(n).fqn)
+
+
+def test_fullgraph_on_the_zoo():
+    for model, plan in ((init_weights(Llama()), megatron_tp_plan()), (init_weights(MLP()), mlp_plan())):
+        x = example_input(model)
+        _close(_compile(model, MESH_TP, plan, fullgraph=True)(*x), model(*x))
+
+
+@pytest.mark.parametrize("dynamic", [None, False, True])
+def test_recompiles_on_new_shapes(dynamic):
+    model = init_weights(Llama())
+    f = _compile(model, MESH_DP_TP, megatron_tp_plan(), dynamic=dynamic)
+    for batch, seq in ((4, 8), (2, 8), (2, 4), (4, 8)):
+        x = example_input(model, batch=batch, seq=seq)
+        _close(f(*x), model(*x))
+
+
+def test_backend_is_registered_by_entry_point():
+    assert "fxshard" in torch._dynamo.list_backends()
+
+
+@pytest.mark.parametrize("options,match", [
+    ({}, "missing option\\(s\\) \\['mesh', 'plan'\\].*options=\\{\"mesh\": device_mesh, \"plan\": plan\\}"),
+    ({"mesh": MESH_TP}, "missing option\\(s\\) \\['plan'\\]"),
+    ({"mesh": MESH_TP, "plan": {}}, "a MeshSpec only works with \"simulate\": True"),
+    ({"mesh": MESH_TP, "plan": {}, "simulate": True, "bucket": 1}, "unknown option\\(s\\) \\['bucket'\\]"),
+    ({"mesh": MESH_TP, "plan": {"fc9": "colwise"}, "simulate": True}, "'fc9' matches no module of MLP"),
+])
+def test_backend_errors_say_what_to_pass(options, match):
+    model = init_weights(MLP())
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options=options)
+    with pytest.raises(Exception, match=match):
+        f(*example_input(model))
+
+
+def test_backend_without_options_says_what_to_pass():
+    model = init_weights(MLP())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="missing option"):
+        torch.compile(model, backend="fxshard")(*example_input(model))
+
+
+def test_parameter_shards_are_cached_and_refreshed():
+    """Slice once; a replaced parameter or an in-place update (version counter) slices again."""
+    g = ShardedGraph.__new__(ShardedGraph)
+    g._shards = {}
+    spec = fxshard.ShardingSpec.make(MESH_TP, (fxshard.spec.Shard(0),), (8, 2), torch.float32)
+    calls = []
+
+    class Fake:
+        def local_of(self, t, s):
+            calls.append(t)
+            return s.local_of(t, (1,))
+
+    w = torch.randn(8, 2)
+    a = g._cached_shard(0, w, spec, Fake())
+    b = g._cached_shard(0, w, spec, Fake())
+    assert a is b and len(calls) == 1
+    w.mul_(2)  # in place: version moves
+    c = g._cached_shard(0, w, spec, Fake())
+    assert len(calls) == 2 and torch.equal(c, w[2:4])
+    w2 = w.clone()  # replaced: a new object
+    g._cached_shard(0, w2, spec, Fake())
+    assert len(calls) == 3
+
+
+def test_compile_needs_a_process_group_and_mesh():
+    model = init_weights(MLP())
+    prog = fxshard.shard(model, MESH_TP, mlp_plan(), example_inputs=example_input(model))
+    with pytest.raises(ValueError, match="needs a DeviceMesh"):
+        prog.compile()
+
+
+def test_parallelize_meta_model_holds_only_local_shards():
+    """4 ranks' worth of parameters on a fake process group: rank 0 allocates only its shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    self.bytes += t.numel() * t.element_size()
+            return out
+
+    cfg = zoo.LlamaConfig(dim=256, n_heads=4, n_kv_heads=4, ffn_hidden=1024, vocab_size=64)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        dm = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with torch.device("meta"):
+            model = zoo.Llama(cfg)
+        total = sum(p.numel() * 4 for p in model.parameters())
+        with Allocations() as alloc:
+            pm = fxshard.parallelize(model, dm, megatron_tp_plan())
+        sharded = sum(pm.specs[f].shape.numel() if hasattr(pm.specs[f].shape, "numel") else
+                      torch.Size(pm.specs[f].shape).numel() for f, p in pm.module.named_parameters()
+                      if any(pm.specs[f].levels))
+        held = sum(p.numel() * 4 for p in pm.parameters())
+        assert held == total - sharded * 4 * 3 // 4  # sharded weights: a quarter each
+        assert held < 0.35 * total
+        assert alloc.bytes <= pm.local_bytes() * 1.01  # nothing global was ever materialised
+        with pytest.raises(RuntimeError, match="load_full_state_dict"):
+            pm(*example_input(Llama(cfg)))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- end to end on real process groups (gloo, loopback) ------------------------------------------
+
+@pytest.mark.slow
+def test_compiled_on_four_gloo_ranks():
+    cases = [("llama", (4,), ("tp",), "program"), ("llama", (4,), ("tp",), "backend"),
+             ("llama", (2, 2), ("dp", "tp"), "program"), ("llama", (2, 2), ("dp", "tp"), "backend"),
+             ("mlp", (4,), ("tp",), "backend")]
+    results = spawn(4, e2e_workers.compile_zoo, cases)
+    for rank_results in results:
+        assert len(rank_results) == len(cases)
+        for name, shape, path, rel in rank_results:
+            assert rel < 1e-5, (name, shape, path, rel)
+
+
+@pytest.mark.slow
+def test_compiled_on_two_gloo_ranks():
+    cases = [("mlp", (2,), ("tp",), "program"), ("mlp", (2,), ("tp",), "backend"),
+             ("mlp", (2,), ("tp",), "backend_eager"), ("graph_break", (2,), ("tp",), "backend"),
+             ("mlp", (2,), ("tp",), "backend_updates")]
+    for rank_results in spawn(2, e2e_workers.compile_zoo, cases):
+        for name, shape, path, rel in rank_results:
+            assert rel < 1e-5, (name, shape, path, rel)
+    for r in spawn(2, e2e_workers.parallelize_meta, True):
+        assert r["rel"] < 1e-5 and r["roundtrip"]
+        assert r["held"] < r["total"]
+
+
+def test_models_module_is_importable_by_workers():
+    assert isinstance(e2e_workers.MODELS["mlp"][0](), nn.Module)
