@@ -48,7 +48,8 @@ def compile_zoo(rank, world, cases):
                 with torch.no_grad():  # an optimizer-style in-place update, then a replaced parameter
                     model.fc1.weight.mul_(0.5)
                 out.append((name, shape, "in-place update", _rel(f(*x).detach(), model(*x).detach())))
-                model.fc2.weight = nn.Parameter(torch.randn_like(model.fc2.weight))
+                g = torch.Generator().manual_seed(2)  # the same new weight on every rank
+                model.fc2.weight = nn.Parameter(torch.randn(model.fc2.weight.shape, generator=g))
                 got, want = f(*x), model(*x).detach()
         out.append((name, shape, path, _rel(got.detach(), want)))
     return out
