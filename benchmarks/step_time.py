@@ -103,7 +103,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
     # timed round-robin, so that the machine's noise hits all three alike
     times = {label: [] for label in made}
     with torch.no_grad():
-        for label, (fn, _, _) in made.items():
+        for fn, _, _ in made.values():
             fn(tokens)  # warm
         for _ in range(steps):
             for label, (fn, _, _) in made.items():
