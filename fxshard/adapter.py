@@ -249,3 +249,41 @@ def inductor_compile(gm, example_inputs):
 
     run.graph = decomposed
     return run
+
+
+# ---- joint forward+backward graphs (AOTAutograd) --------------------------------------------------
+
+def export_joint(module, fake_args, decompositions):
+    """``aot_export_joint_with_descriptors``: (joint GraphModule, its fake mode).  Placeholders are
+    ``primals_*`` / ``tangents_*`` with ``meta["desc"]``; the output node's ``meta["desc"]`` lists
+    what each output is (see ``describe``)."""
+    import contextlib
+
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    with contextlib.ExitStack() as stack:
+        jd = aot_export_joint_with_descriptors(stack, module, tuple(fake_args), decompositions=decompositions,
+                                               _record_nn_module_stack=True)
+    return jd.graph_module, jd.fake_mode
+
+
+def describe(desc) -> tuple[str, object]:
+    """A joint-graph descriptor as (kind, payload): ("param", fqn), ("buffer", fqn), ("input", index),
+    ("tangent", output index), ("output", index), ("grad_param", fqn), ("grad_input", index)."""
+    from torch._functorch._aot_autograd import descriptors as d
+
+    if isinstance(desc, d.ParamAOTInput):
+        return "param", desc.target
+    if isinstance(desc, d.BufferAOTInput):
+        return "buffer", desc.target
+    if isinstance(desc, d.PlainAOTInput):
+        return "input", desc.idx
+    if isinstance(desc, d.TangentAOTInput):
+        out = desc.output
+        return "tangent", out.idx if isinstance(out, d.PlainAOTOutput) else None
+    if isinstance(desc, d.PlainAOTOutput):
+        return "output", desc.idx
+    if isinstance(desc, d.GradAOTOutput):
+        kind, what = describe(desc.grad_of)
+        return ("grad_param" if kind == "param" else "grad_input" if kind == "input" else "grad_" + kind), what
+    return type(desc).__name__, None

@@ -22,7 +22,7 @@ import torch.nn as nn
 from .cost import CostModel
 from .mesh import MeshSpec
 from .passes import annotate as _annotate
-from .passes.capture import Captured, info
+from .passes.capture import Captured, capture_joint, info
 from .passes.capture import capture as _capture
 from .passes.redistribute import insert_redistributes
 from .plans import PlanConstraints, plan_dim, resolve_plan
@@ -34,8 +34,9 @@ PASS_POINTS = ("after_annotate", "after_redistribute", "after_fuse", "after_lowe
 
 
 def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | None = None,
-            tp_dim: int | str | None = None, cost_model=None, fuse: bool = True) -> Captured:
-    """Stage 1: trace to an ATen graph; module boundaries the plan names are marked."""
+            tp_dim: int | str | None = None, cost_model=None, fuse: bool = True, training: bool = False) -> Captured:
+    """Stage 1: trace to an ATen graph; module boundaries the plan names are marked.  ``training``:
+    the joint forward+backward graph (outputs: the forward outputs, then the gradients)."""
     device_mesh = None if isinstance(mesh, MeshSpec) else mesh
     mesh = MeshSpec.from_device_mesh(mesh)
     cm = cost_model or CostModel(mesh)
@@ -46,7 +47,10 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan
     else:
         default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
         constraints = PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)
-    c = _capture(model, example_inputs, boundaries=constraints.hooked)
+    if training:
+        c = capture_joint(model, example_inputs, boundaries=constraints.hooked)
+    else:
+        c = _capture(model, example_inputs, boundaries=constraints.hooked)
     c.mesh, c.device_mesh, c.constraints, c.cost_model, c.fuse = mesh, device_mesh, constraints, cm, fuse
     return c
 
@@ -169,12 +173,10 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     several mesh dims (a flattened group) where that is cheaper; ``bucket_bytes``: merge independent
     collectives of one kind and group in the per-rank graph up to this many bytes (0: off).
     """
-    if training:
-        raise NotImplementedError("fxshard.shard(training=True): joint forward+backward sharding is not built "
-                                  "yet; shard the forward (training=False)")
     for p in passes or ():
         _passes_at([p], None)  # validate every pass up front
-    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model, fuse=fuse)
+    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model, fuse=fuse,
+                training=training)
     c.bucket_bytes = bucket_bytes
     annotate(c, input_placements=input_placements, output_placements=output_placements)
     for fn in _passes_at(passes, "after_annotate"):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from .cost import CostModel
 from .mesh import MeshSpec
-from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, Captured, info
+from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, TANGENT, Captured, info
 from .passes.lower import bind_groups, lower_to_local
 from .spec import placements_str
 
@@ -91,7 +92,8 @@ class ShardedProgram:
         return explain(self, verbose=verbose, format=format)
 
     # ---- running ----------------------------------------------------------------------------------
-    def placeholder_values(self, inputs) -> list:
+    def placeholder_values(self, inputs, grad_outputs=None) -> list:
+        """The global value of every placeholder: state, inputs and (training) incoming gradients."""
         vals = []
         for p in self.graph.graph.nodes:
             if p.op != "placeholder":
@@ -99,16 +101,58 @@ class ShardedProgram:
             rec = info(p)
             if rec.kind in (PARAM, BUFFER, CONSTANT):
                 vals.append(self.captured.state[rec.fqn])
+            elif rec.kind == TANGENT:
+                vals.append(self.grad_output(rec.input_index, p.meta["val"], grad_outputs))
             else:
                 assert rec.kind == INPUT
                 vals.append(inputs[rec.input_index])
         return vals
 
-    def simulate(self, *inputs):
-        """Run every rank in one process (exact collectives); returns the global outputs."""
+    @staticmethod
+    def grad_output(i: int, val, grad_outputs):
+        if grad_outputs is not None:
+            g = grad_outputs[i] if isinstance(grad_outputs, (tuple, list)) else grad_outputs
+            if tuple(g.shape) != tuple(val.shape):
+                raise ValueError(f"grad_outputs[{i}] has shape {tuple(g.shape)}, output {i} has {tuple(val.shape)}")
+            return g
+        if val.numel() != 1:
+            raise ValueError(f"output {i} of shape {tuple(val.shape)} is not a scalar loss: pass grad_outputs=")
+        return torch.ones((), dtype=val.dtype).reshape(val.shape)
+
+    @property
+    def training(self) -> bool:
+        return bool(getattr(self.captured, "training", False))
+
+    def output_roles(self) -> list[tuple]:
+        """What each flat output is: ("output", i), ("grad_param", fqn) or ("grad_input", i)."""
+        out = next(n for n in self.graph.graph.nodes if n.op == "output")
+        return [tuple(r) for r in info(out).extra.get("outputs") or
+                [("output", i) for i in range(len(self.output_specs))]]
+
+    def simulate(self, *inputs, grad_outputs=None):
+        """Run every rank in one process (exact collectives); returns the global outputs.
+
+        Training programs return ``(outputs, grads)``: ``grads[fqn]`` is every parameter's global
+        gradient (``grads["input:<i>"]`` for inputs that require grad).  A scalar output is seeded
+        with 1; otherwise pass ``grad_outputs`` (one per differentiable output)."""
         if len(inputs) != self.captured.num_inputs:
             raise TypeError(f"this program takes {self.captured.num_inputs} inputs, got {len(inputs)}")
-        return self.restructure(self.simulate_placeholders(self.placeholder_values(inputs)))
+        if not self.training:
+            return self.restructure(self.simulate_placeholders(self.placeholder_values(inputs)))
+        flat = self.simulate_placeholders(self.placeholder_values(inputs, grad_outputs))
+        return self.split_training_outputs(flat)
+
+    def split_training_outputs(self, flat: list):
+        outs, grads = [], {}
+        for role, value in zip(self.output_roles(), flat):
+            if role[0] == "output":
+                outs.append(value)
+            elif role[0] == "grad_param":
+                grads[role[1]] = value
+            elif role[0] == "grad_input":
+                grads[f"input:{role[1]}"] = value
+        structure = outs if len(outs) != 1 else outs[0]
+        return (tuple(structure) if isinstance(structure, list) else structure), grads
 
     def simulate_placeholders(self, values) -> list:
         """Simulate on the global value of every placeholder (parameters included); flat outputs."""

@@ -220,8 +220,9 @@ def dtensor_candidates(op, args, kwargs, device_mesh, input_placements, *,
 # ---- fxshard's own rules ---------------------------------------------------------------------------
 
 aten = torch.ops.aten
-SDPA_OPS = {aten.scaled_dot_product_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
+SDPA_OPS = {aten.scaled_dot_product_attention.default: 1,
+            aten._scaled_dot_product_flash_attention_for_cpu.default: 2,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 3}
 FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
                aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
                aten.rand.default, aten.randn.default}
@@ -229,11 +230,13 @@ EMBEDDING = aten.embedding.default
 
 
 def _sdpa_candidates(op, args, kwargs, mesh, input_placements):
-    """q, k, v (and a mask) sharded alike on batch (dim 0) or heads (dim 1), per mesh dim; a mask of
-    size 1 on that dim is replicated instead.  Outputs follow q."""
+    """q, k, v (and a mask; the backward's grad_out, out and logsumexp) sharded alike on batch (dim 0)
+    or heads (dim 1), per mesh dim; a tensor of size 1 on that dim (a broadcast mask) is replicated
+    instead.  Outputs (and logsumexp, the input gradients) follow q."""
     tensors = [x for x in tree_flatten((tuple(args), dict(kwargs)))[0] if isinstance(x, torch.Tensor)]
     q = tensors[0]
-    n_out = 1 if op == aten.scaled_dot_product_attention.default else 2
+    n_out = SDPA_OPS[op]
+    n_alike = 4 if n_out == 3 else 3  # (grad_out,) q, k, v
     per_dim = []
     for _m in range(mesh.ndim):
         opts = [Replicate(), Shard(0), Shard(1)]
@@ -242,16 +245,13 @@ def _sdpa_candidates(op, args, kwargs, mesh, input_placements):
     for combo in itertools.product(*per_dim):
         ins = []
         for t in tensors:
-            plc = tuple(p if not isinstance(p, Shard) or (t.ndim == q.ndim and t.shape[p.dim] == q.shape[p.dim])
+            plc = tuple(p if not isinstance(p, Shard) or (t.ndim >= 2 and t.shape[p.dim] == q.shape[p.dim])
                         else Replicate() for p in combo)
             ins.append(plc)
         # k/v must be sharded exactly like q on batch/heads (GQA without expansion is not covered)
-        if any(ins[i] != tuple(combo) for i in range(min(3, len(ins)))):
+        if any(ins[i] != tuple(combo) for i in range(min(n_alike, len(ins)))):
             continue
-        outs = [tuple(combo)]
-        if n_out == 2:  # logsumexp (b, h, s): same batch/head sharding
-            outs.append(tuple(combo))
-        out.append((tuple(ins), tuple(outs)))
+        out.append((tuple(ins), tuple(tuple(combo) for _ in range(n_out))))
     return out
 
 

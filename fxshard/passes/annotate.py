@@ -27,7 +27,7 @@ from ..mesh import MeshSpec
 from ..planner import plan_between
 from ..plans import PlanConstraints
 from ..spec import ShardingSpec, level_positions, placements_str
-from .capture import BUFFER, CONSTANT, INPUT, PARAM, info
+from .capture import BUFFER, CONSTANT, GRAD_TAG, INPUT, PARAM, TANGENT, info
 
 log = logging.getLogger("fxshard")
 
@@ -138,6 +138,10 @@ class Annotator:
             if warning:
                 self.warn(warning)
             return
+        if rec.kind == TANGENT:  # an incoming gradient: a global value every rank holds
+            rec.spec = self.spec([Replicate()] * self.mesh.ndim, val)
+            rec.provenance = f"gradient of output {rec.input_index}"
+            return
         assert rec.kind == INPUT
         i = rec.input_index
         if self.input_placements is not None:
@@ -167,6 +171,8 @@ class Annotator:
         rec = info(node)
         src = info(node.args[0]).spec
         tag = rec.extra["tag"]
+        if tag.startswith(GRAD_TAG):
+            return self.gradient_boundary(node, rec, src, tag[len(GRAD_TAG):])
         want = self.cons.boundaries.get(tag)
         rec.module = tag.split(":")[0]
         if want is None or want[0] is None:
@@ -185,6 +191,35 @@ class Annotator:
                 rec.spec, rec.provenance = src, "passthrough (indivisible)"
         rec.input_specs = (rec.spec,)
 
+    def gradient_boundary(self, node, rec, src, forward_name):
+        """The gradient of a forward value, once complete (all contributions summed): placed like the
+        value itself (Partial -> Replicate), which is what Megatron-style backward passes do.  Partial
+        gradients meeting at one value are summed before this one reduction."""
+        want = self.gradient_target(node)
+        if want is None:
+            rec.spec, rec.provenance = src, "gradient (passthrough)"
+        else:
+            rec.spec, rec.provenance = want, f"gradient of {forward_name}: placed like it"
+        rec.input_specs = (rec.spec,)
+
+    def gradient_target(self, node) -> ShardingSpec | None:
+        """The spec a gradient boundary asks for (None: ``node`` is not one, or its value has none)."""
+        rec = info(node)
+        tag = rec.extra.get("tag", "") if rec.kind == "boundary" else ""
+        if not tag.startswith(GRAD_TAG):
+            return None
+        fwd = self._by_name(node.graph).get(tag[len(GRAD_TAG):])
+        spec = info(fwd).spec if fwd is not None else None
+        if not isinstance(spec, ShardingSpec) or spec.shape != tuple(node.meta["val"].shape):
+            return None
+        return self.spec([Replicate() if isinstance(p, Partial) else p for p in spec.placements],
+                         node.meta["val"], spec.shard_order)
+
+    def _by_name(self, graph):
+        if getattr(self, "_names_of", None) is None or self._names_of[0] is not graph:
+            self._names_of = (graph, {n.name: n for n in graph.nodes})
+        return self._names_of[1]
+
     def getitem(self, node):
         rec = info(node)
         parent = info(node.args[0]).spec
@@ -200,7 +235,9 @@ class Annotator:
         # Repeated layers ask the same question: same op, shapes, arguments and input placements.
         args = torch.utils._pytree.tree_map(_val, tuple(node.args))
         kwargs = torch.utils._pytree.tree_map(_val, dict(node.kwargs))
-        key = (node.target, _shape_key(args), _shape_key(kwargs), tuple(cur))
+        # one step of lookahead: a consumer that is a gradient boundary will ask for its target
+        targets = tuple(t for t in (self.gradient_target(u) for u in node.users) if t is not None)
+        key = (node.target, _shape_key(args), _shape_key(kwargs), tuple(cur), targets)
         hit = self._decisions.get(key)
         if hit is not None:
             rec.input_specs, rec.spec, rec.provenance, vocab, why = hit
@@ -209,10 +246,10 @@ class Annotator:
             if why:
                 self.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
             return
-        why = self._decide(node, rec, targs, cur, outs, out_val)
+        why = self._decide(node, rec, targs, cur, outs, out_val, targets)
         self._decisions[key] = (rec.input_specs, rec.spec, rec.provenance, rec.extra.get("vocab_dims"), why)
 
-    def _decide(self, node, rec, targs, cur, outs, out_val):
+    def _decide(self, node, rec, targs, cur, outs, out_val, targets=()):
         cands = self.candidates(node, cur)
         if cands == "factory":
             rec.spec = self.spec([Replicate()] * self.mesh.ndim, out_val)
@@ -233,6 +270,8 @@ class Annotator:
                 if not all(s is None or is_even(s) for s in out_specs):
                     continue
                 c = sum(self.cost(a, b) for a, b in zip(cur, specs))
+                if targets and out_specs and out_specs[0] is not None:
+                    c += sum(self.cost(out_specs[0], t) for t in targets if t.shape == out_specs[0].shape)
                 changed = sum(a.placements != b.placements or a.levels != b.levels for a, b in zip(cur, specs))
                 key = (round(c, 9), changed)
                 if best is None or key < best[0]:
@@ -297,11 +336,26 @@ class Annotator:
         outs = node.args[0]
         flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         specs = []
+        # joint graphs: a parameter's gradient is placed like the parameter, an input's like the input
+        roles = rec.extra.get("outputs") or [("output", i) for i in range(len(flat))]
+        placeholders = {}
+        for p in node.graph.nodes:
+            if p.op == "placeholder":
+                r = info(p)
+                if r.kind in (PARAM, BUFFER):
+                    placeholders[("grad_param", r.fqn)] = r.spec
+                elif r.kind == INPUT:
+                    placeholders[("grad_input", r.input_index)] = r.spec
         for i, o in enumerate(flat):
             if not isinstance(o, fx.Node):
                 specs.append(None)
                 continue
             cur = info(o).spec
+            role = tuple(roles[i]) if i < len(roles) else ("output", i)
+            if role[0] != "output":
+                specs.append(placeholders[role])
+                continue
+            i = role[1]
             if self.output_placements is not None and i < len(self.output_placements) \
                     and self.output_placements[i] is not None:
                 specs.append(self.spec(self.output_placements[i], o.meta["val"], what=f"output_placements[{i}]"))

@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from ..adapter import placeholder_source, record_frames_of
 
-PARAM, BUFFER, CONSTANT, INPUT = "param", "buffer", "constant", "input"
+PARAM, BUFFER, CONSTANT, INPUT, TANGENT = "param", "buffer", "constant", "input", "tangent"
+GRAD_TAG = "grad:"  # boundary tag of a complete gradient: "grad:<forward node name>"
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Captured:
     fuse: bool = True  # plan collectives over flattened mesh dims where that is cheaper
     bucket_bytes: int = 25 * 1024 * 1024  # bucket independent collectives up to this size (0: off)
     batch_size: int | None = None  # data-parallel dims shard only inputs of this leading size (None: all)
+    training: bool = False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
 
 
 class _FnModule(nn.Module):
@@ -204,6 +206,9 @@ def _record(gm: fx.GraphModule, kinds: list[tuple[str, str | None]], roots: dict
             if kind == INPUT:
                 rec.input_index = n_inputs
                 n_inputs += 1
+            elif kind == TANGENT:
+                rec.input_index = fqn  # the forward output this is the gradient of
+                rec.fqn = None
         elif node.op == "output":
             rec.kind = "output"
         else:
@@ -421,6 +426,112 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
             raise NotImplementedError(
                 f"fxshard: the compiled code mutates its input {n.args[0].name} in place; in-place updates of "
                 f"parameters, buffers or inputs inside a sharded graph are not supported yet")
+
+
+def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
+                  boundaries: dict[str, tuple[int, int]] | None = None) -> Captured:
+    """The joint forward+backward ATen graph of ``model`` (AOTAutograd's export with descriptors).
+
+    Placeholders: parameters, buffers, user inputs, then one tangent (incoming gradient) per
+    differentiable forward output.  Outputs: the forward outputs, then the gradient of every
+    parameter (and of every user input that requires grad); ``info(output).extra["outputs"]`` says
+    which is which: ("output", i), ("grad_param", fqn), ("grad_input", i)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..adapter import describe, export_joint
+
+    module = model if isinstance(model, nn.Module) else _FnModule(model)
+    handles = _install_boundary_hooks(module, boundaries or {})
+    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    try:
+        with fm, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            gm, _ = export_joint(module, fakes, _decomposition_table())
+    except Exception as e:
+        raise RuntimeError(f"fxshard.capture: could not trace the forward+backward of {type(module).__name__}: "
+                           f"{e}") from e
+    finally:
+        for h in handles:
+            h.remove()
+    # flat calling convention (AOT's pytree codegen groups inputs/outputs as (primals, tangents))
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    kinds = []
+    for p in gm.graph.nodes:
+        if p.op != "placeholder":
+            continue
+        kind, what = describe(p.meta.get("desc"))
+        if kind in (PARAM, BUFFER):
+            kinds.append((kind, what))
+        elif kind == INPUT:
+            kinds.append((INPUT, None))
+        elif kind == TANGENT:
+            if what is None:
+                raise NotImplementedError(f"fxshard.capture: unsupported tangent {p.meta.get('desc')}")
+            kinds.append((TANGENT, what))
+        else:
+            raise NotImplementedError(f"fxshard.capture: unsupported joint-graph input {p.meta.get('desc')}")
+    _mark_gradients(gm)
+    n_inputs = _record(gm, kinds)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    info(out).extra["outputs"] = [describe(d) for d in out.meta.get("desc", ())]
+    _check_no_input_mutation(gm)
+    state = {f: t.detach() for f, t in module.named_parameters()}
+    state.update({f: t.detach() for f, t in module.named_buffers()})
+    c = Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
+    c.training = True
+    return c
+
+
+def _mark_gradients(gm: fx.GraphModule) -> None:
+    """Mark every complete gradient of a forward value with a ``grad:<forward node>`` boundary.
+
+    AOTAutograd tags each backward node with the ``seq_nr`` of the forward op it differentiates.  A
+    backward value consumed by another op's backward (not by an accumulating add) is the gradient
+    of that op's output, all contributions summed: the forward node of that ``seq_nr`` with the
+    same shape.  Annotation places it like the forward value."""
+    forward: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta:
+            forward.setdefault(n.meta["seq_nr"], []).append(n)
+
+    def is_accumulation(u):
+        return u.op == "call_function" and u.target is torch.ops.aten.add.Tensor
+
+    aten = torch.ops.aten
+    # the gradient of a view flows on to the viewed value's gradient: only "real" values are marked
+    views = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+             aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+             aten.alias.default, aten.expand.default, aten.slice.Tensor, aten.select.int}
+
+    for b in list(gm.graph.nodes):
+        if b.op != "call_function" or b.meta.get("partitioner_tag") != "is_backward" or not _is_tensor(b):
+            continue
+        groups = {}
+        for u in b.users:
+            if u.op == "call_function" and u.meta.get("seq_nr") != b.meta.get("seq_nr") and not is_accumulation(u):
+                groups.setdefault(u.meta.get("seq_nr"), []).append(u)
+        for seq, users in groups.items():
+            shape = tuple(b.meta["val"].shape)
+            match = [f for f in forward.get(seq, ()) if _is_tensor(f) and tuple(f.meta["val"].shape) == shape
+                     and f.target not in views]
+            if not match:
+                continue
+            with gm.graph.inserting_after(b):
+                m = gm.graph.call_function(BOUNDARY, (b, f"{GRAD_TAG}{match[-1].name}"))
+            m.meta.update({k: v for k, v in b.meta.items() if k in ("val", "seq_nr", "partitioner_tag",
+                                                                       "nn_module_stack", "stack_trace")})
+            for u in users:
+                u.replace_input_with(b, m)
+    gm.graph.lint()
+    gm.recompile()
+
+
+@boundary.register_autograd
+def _boundary_backward(ctx, grad):
+    # a boundary constrains the forward value only; its gradient flows through unconstrained
+    return grad, None
 
 
 def _clean_fqn(path: str) -> str:
