@@ -287,3 +287,12 @@ def describe(desc) -> tuple[str, object]:
         kind, what = describe(desc.grad_of)
         return ("grad_param" if kind == "param" else "grad_input" if kind == "input" else "grad_" + kind), what
     return type(desc).__name__, None
+
+
+def partition_joint(joint, num_fwd_outputs: int):
+    """(forward, backward) GraphModules of a joint graph: AOTAutograd's min-cut partitioner (it saves
+    collectives' results rather than recomputing them).  Placeholders must be ``primals_*`` /
+    ``tangents_*``; outputs: the ``num_fwd_outputs`` forward outputs, then the gradients."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, None, num_fwd_outputs=num_fwd_outputs)

@@ -114,6 +114,99 @@ class CompiledProgram:
         return prog.restructure(self.run_local(args))
 
 
+class CompiledTraining:
+    """One rank's training program: the per-rank joint graph split by the min-cut partitioner into a
+    forward and a backward, each compiled by Inductor (or run eagerly), run as one autograd Function.
+
+    ``apply(local_args)`` takes this rank's local shard of every primal placeholder (parameters,
+    buffers, inputs: ``program.placeholders`` order without tangents) and returns the forward outputs;
+    ``backward()`` through them gives every parameter (and input that requires grad) its local
+    gradient shard, placed like the parameter."""
+
+    def __init__(self, program, device_mesh, *, inductor: bool = True):
+        from .adapter import partition_joint
+        from .passes.capture import TANGENT
+
+        if not program.training:
+            raise ValueError("CompiledTraining needs a training program (fxshard.shard(..., training=True))")
+        self.program = program
+        self.device = device_of(device_mesh)
+        coord = device_mesh.get_coordinate()
+        self.coord_ints = tuple(int(c) for c in coord)
+        self.coord = torch.tensor(self.coord_ints, dtype=torch.long, device=self.device)
+        places = program.placeholders
+        self.primal_specs = [info(p).spec for p in places if info(p).kind != TANGENT]
+        self.tangent_specs = [info(p).spec for p in places if info(p).kind == TANGENT]
+        self.primal_kinds = [(info(p).kind, info(p).fqn, info(p).input_index) for p in places
+                             if info(p).kind != TANGENT]
+        roles = program.output_roles()
+        self.num_fwd = sum(r[0] == "output" for r in roles)
+        self.grad_roles = roles[self.num_fwd:]
+        local = bind_groups(program.local_graph_on(self.device), group_names(device_mesh))
+        for n in local.graph.nodes:  # the partitioner tells primals from tangents by name
+            if n.op == "placeholder" and n.name == "mesh_coord":
+                n.target = n.name = "primals_mesh_coord"
+        local.recompile()
+        fw, bw = partition_joint(local, self.num_fwd)
+        self.forward_graph, self.backward_graph = fw, bw
+        if inductor:
+            self.fw = inductor_compile(fw, _examples(fw))
+            self.bw = inductor_compile(bw, _examples(bw))
+        else:
+            self.fw = lambda *a: fw(*a)
+            self.bw = lambda *a: bw(*a)
+
+    def apply(self, local_args):
+        return _TrainingStep.apply(self, self.coord, *local_args)
+
+    def grads_for_inputs(self, grads) -> list:
+        """Backward outputs mapped onto the primal inputs (None where no gradient)."""
+        by_role = dict(zip((tuple(r) for r in self.grad_roles), grads))
+        out = [None]  # the mesh coordinate
+        for kind, fqn, index in self.primal_kinds:
+            if kind == PARAM:
+                out.append(by_role.get(("grad_param", fqn)))
+            elif kind == INPUT:
+                out.append(by_role.get(("grad_input", index)))
+            else:
+                out.append(None)
+        return out
+
+
+def _examples(gm):
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta["val"]
+            out.append(torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor) else v)
+    return out
+
+
+class _TrainingStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runner, coord, *args):
+        outs = list(runner.fw(coord, *args))
+        n = runner.num_fwd
+        saved = outs[n:]
+        ctx.runner = runner
+        tensors = [t for t in saved if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.layout = [isinstance(t, torch.Tensor) for t in saved]
+        ctx.others = [t for t in saved if not isinstance(t, torch.Tensor)]
+        return tuple(outs[:n]) if n > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+        # Inductor asserts the strides it compiled for: saved activations are handed over contiguous
+        saved = [next(tensors).contiguous() if is_t else next(others) for is_t in ctx.layout]
+        grads = [g.contiguous() if g is not None else
+                 torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
+                 for g, s in zip(grads, ctx.runner.tangent_specs)]
+        outs = ctx.runner.bw(*saved, *grads)
+        return (None, *ctx.runner.grads_for_inputs(list(outs)))
+
+
 # ---- the dynamo backend ---------------------------------------------------------------------------
 
 @dataclass

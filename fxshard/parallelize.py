@@ -23,7 +23,7 @@ from .backend import CompiledProgram, device_of
 from .cost import CostModel
 from .mesh import MeshSpec
 from .passes.annotate import state_spec
-from .passes.capture import BUFFER, CONSTANT, PARAM, info
+from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, info
 from .passes.lower import local_shape
 from .plans import PlanConstraints, plan_dim, resolve_plan
 
@@ -157,45 +157,60 @@ class ParallelModule(nn.Module):
             for owner, name, local, is_param in saved:
                 (owner._parameters if is_param else owner._buffers)[name] = local
 
-    def program_for(self, *inputs):
+    def program_for(self, *inputs, training: bool = False):
         """The ShardedProgram (and its compiled form) for inputs of these shapes."""
         from . import api
+        from .backend import CompiledTraining
 
-        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+        key = (training,) + tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
+                                  for x in inputs)
         hit = self._programs.get(key)
         if hit is not None:
             return hit
-        meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-                       for x in inputs]
+        meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=x.requires_grad)
+                       if isinstance(x, torch.Tensor) else x for x in inputs]
         with self._global_meta_state():
             prog = api.shard(self.module, self.mesh, self.plan, example_inputs=meta_inputs, tp_dim=self.tp_dim,
-                             **self.options)
+                             training=training, **self.options)
         for p in prog.placeholders:
             rec = info(p)
             if rec.kind in (PARAM, BUFFER, CONSTANT) and rec.spec != self.specs[rec.fqn]:
                 raise AssertionError(f"fxshard.parallelize: {rec.fqn} was sharded as {self.specs[rec.fqn]} but the "
                                      f"program wants {rec.spec}")
-        compiled = CompiledProgram(prog, self.device_mesh, inductor=self.inductor, params={})
+        if training:
+            compiled = CompiledTraining(prog, self.device_mesh, inductor=self.inductor)
+        else:
+            compiled = CompiledProgram(prog, self.device_mesh, inductor=self.inductor, params={})
         self._programs[key] = (prog, compiled)
         return prog, compiled
 
     @property
     def output_specs(self):
-        return next(iter(self._programs.values()))[0].output_specs if self._programs else None
+        """The output specs of the last program built (training programs: the forward outputs)."""
+        if not self._programs:
+            return None
+        prog = list(self._programs.values())[-1][0]
+        return prog.output_specs[:sum(r[0] == "output" for r in prog.output_roles())]
 
     def forward(self, *inputs):
         if self.uninitialised:
             raise RuntimeError(f"fxshard.parallelize: {len(self.uninitialised)} tensors of the meta-built model have "
                                f"no values yet (e.g. {sorted(self.uninitialised)[:3]}); call "
                                f"load_full_state_dict(...) or pass init_fn= to parallelize")
-        prog, compiled = self.program_for(*inputs)
+        training = torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs))
+        prog, compiled = self.program_for(*inputs, training=training)
         args = []
-        for p, spec in zip(prog.placeholders, compiled.specs):
+        for p in prog.placeholders:
             rec = info(p)
             if rec.kind in (PARAM, BUFFER, CONSTANT):
                 args.append(self._local(rec.fqn))
-            else:
-                args.append(compiled.local_of(inputs[rec.input_index], spec))
+            elif rec.kind == INPUT:
+                x = inputs[rec.input_index]
+                args.append(rec.spec.local_of(x.to(self.device), self.coord))
+        if training:
+            outs = compiled.apply(args)
+            return outs
         return prog.restructure(compiled.run_local(args))
 
 

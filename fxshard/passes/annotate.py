@@ -138,9 +138,12 @@ class Annotator:
             if warning:
                 self.warn(warning)
             return
-        if rec.kind == TANGENT:  # an incoming gradient: a global value every rank holds
-            rec.spec = self.spec([Replicate()] * self.mesh.ndim, val)
-            rec.provenance = f"gradient of output {rec.input_index}"
+        if rec.kind == TANGENT:  # an incoming gradient, placed like its output (replicated by default)
+            i = rec.input_index
+            given = self.output_placements[i] if self.output_placements is not None and \
+                i < len(self.output_placements) else None
+            rec.spec = self.spec(given if given is not None else [Replicate()] * self.mesh.ndim, val)
+            rec.provenance = f"gradient of output {i}"
             return
         assert rec.kind == INPUT
         i = rec.input_index
@@ -337,6 +340,7 @@ class Annotator:
         flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         specs = []
         # joint graphs: a parameter's gradient is placed like the parameter, an input's like the input
+        joint = bool(rec.extra.get("outputs"))
         roles = rec.extra.get("outputs") or [("output", i) for i in range(len(flat))]
         placeholders = {}
         for p in node.graph.nodes:
@@ -356,6 +360,11 @@ class Annotator:
                 specs.append(placeholders[role])
                 continue
             i = role[1]
+            if joint and (self.output_placements is None or i >= len(self.output_placements)
+                          or self.output_placements[i] is None):
+                # training hands back global values: its incoming gradient (tangent) is replicated too
+                specs.append(self.spec([Replicate()] * self.mesh.ndim, o.meta["val"]))
+                continue
             if self.output_placements is not None and i < len(self.output_placements) \
                     and self.output_placements[i] is not None:
                 specs.append(self.spec(self.output_placements[i], o.meta["val"], what=f"output_placements[{i}]"))
