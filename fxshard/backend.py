@@ -159,6 +159,28 @@ class CompiledTraining:
     def apply(self, local_args):
         return _TrainingStep.apply(self, self.coord, *local_args)
 
+    def __call__(self, *inputs, grad_outputs=None):
+        """One forward+backward on the global ``inputs`` with the program's own (captured) parameters:
+        ``(outputs, grads)``, ``grads[fqn]`` this rank's gradient shard (placed like the parameter)."""
+        prog = self.program
+        if getattr(self, "_state", None) is None:
+            self._state = {}
+            for (kind, fqn, _), spec in zip(self.primal_kinds, self.primal_specs):
+                if kind in (PARAM, BUFFER, CONSTANT):
+                    t = spec.local_of(prog.captured.state[fqn].detach().to(self.device), self.coord_ints)
+                    self._state[fqn] = t.requires_grad_(kind == PARAM)
+        args = []
+        for (kind, fqn, index), spec in zip(self.primal_kinds, self.primal_specs):
+            args.append(self._state[fqn] if kind in (PARAM, BUFFER, CONSTANT) else
+                        spec.local_of(inputs[index].to(self.device), self.coord_ints))
+        for t in self._state.values():
+            t.grad = None
+        outs = self.apply(args)
+        flat = list(outs) if isinstance(outs, tuple) else [outs]
+        gos = [prog.grad_output(i, o, grad_outputs).to(self.device) for i, o in enumerate(flat)]
+        torch.autograd.backward(flat, gos)
+        return outs, {f: t.grad for f, t in self._state.items() if t.grad is not None}
+
     def grads_for_inputs(self, grads) -> list:
         """Backward outputs mapped onto the primal inputs (None where no gradient)."""
         by_role = dict(zip((tuple(r) for r in self.grad_roles), grads))

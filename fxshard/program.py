@@ -23,6 +23,7 @@ class Collective:
     node: str  # the redistribute node
     provenance: str  # why it is there: the consumer and its module / plan entry
     transition: str  # e.g. "S(1)R -> S(1)P" on the mesh dims moved
+    phase: str = "forward"  # "backward" for collectives that depend on an incoming gradient (training)
 
 
 class ShardedProgram:
@@ -73,8 +74,23 @@ class ShardedProgram:
     def redistribute_nodes(self) -> list[fx.Node]:
         return [n for n in self.graph.graph.nodes if info(n).kind == "redistribute"]
 
+    def backward_nodes(self) -> set:
+        """Nodes that depend on an incoming gradient (empty for forward-only programs)."""
+        seen = set()
+        for p in self.placeholders:
+            if info(p).kind == TANGENT:
+                stack = [p]
+                while stack:
+                    n = stack.pop()
+                    for u in n.users:
+                        if u not in seen:
+                            seen.add(u)
+                            stack.append(u)
+        return seen
+
     def collectives(self) -> list[Collective]:
         out = []
+        backward = self.backward_nodes() if self.training else set()
         for n in self.redistribute_nodes():
             rec = info(n)
             plan = rec.plan
@@ -82,7 +98,8 @@ class ShardedProgram:
                 where = f"{rec.module}: " if rec.module else ""
                 out.append(Collective(step.collective, step.mesh_dims, nbytes, step.cost, n.name,
                                       f"{where}{rec.provenance}",
-                                      f"{placements_str((step.src,))}->{placements_str((step.dst,))}"))
+                                      f"{placements_str((step.src,))}->{placements_str((step.dst,))}",
+                                      "backward" if n in backward else "forward"))
         return out
 
     def explain(self, verbose: bool = False, format: str = "text") -> str:
@@ -183,11 +200,13 @@ class ShardedProgram:
         rank slices its shard locally: no communication) and returns this rank's shard of every
         output (``.output_specs``); replicated outputs are the global values.  Parameters are sliced
         to local shards once, here."""
-        from .backend import CompiledProgram
+        from .backend import CompiledProgram, CompiledTraining
 
         dm = device_mesh if device_mesh is not None else self.device_mesh
         if dm is None:
             raise ValueError("ShardedProgram.compile needs a DeviceMesh: shard with one, or pass compile(device_mesh)")
+        if self.training:  # fn(*inputs, grad_outputs=None) -> (outputs, {fqn: local gradient shard})
+            return CompiledTraining(self, dm, inductor=inductor)
         return CompiledProgram(self, dm, inductor=inductor)
 
     def __repr__(self) -> str:

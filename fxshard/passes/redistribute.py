@@ -36,11 +36,11 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
         if node.op == "output":
             outs = node.args[0]
             flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            args = [o for o in flat if isinstance(o, fx.Node)]
+            args = flat  # aligned with input_specs (None for outputs that are not values)
         else:
             args = tensor_args(node)
         for arg, want in zip(args, rec.input_specs):
-            if want is None:
+            if want is None or not isinstance(arg, fx.Node):
                 continue
             have = info(arg).spec
             if _same(have, want):
