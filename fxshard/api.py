@@ -67,7 +67,8 @@ def annotate(captured: Captured, *, input_placements: Sequence | None = None,
                                      f"{mesh.shape}; give one placement per mesh dim")
     captured.warnings = _annotate.annotate(captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
                                            input_placements=input_placements, output_placements=output_placements,
-                                           batch_size=getattr(captured, "batch_size", None))
+                                           batch_size=getattr(captured, "batch_size", None),
+                                           replicate_grads=getattr(captured, "replicate_grads", False))
     # Placements are chosen with unfused costs and fusion is applied when the redistributions are
     # planned: each planned redistribution then costs at most its unfused plan, so a fused program is
     # never worse than the unfused one (greedy choices made on fused costs can be).

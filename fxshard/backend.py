@@ -156,6 +156,11 @@ class CompiledTraining:
             self.fw = lambda *a: fw(*a)
             self.bw = lambda *a: bw(*a)
 
+    localize = None  # global args -> local shards inside the Function (the backend: global gradients)
+
+    def local_of(self, full: torch.Tensor, spec) -> torch.Tensor:
+        return spec.local_of(full.detach().to(self.device), self.coord_ints)
+
     def apply(self, local_args):
         return _TrainingStep.apply(self, self.coord, *local_args)
 
@@ -207,6 +212,8 @@ def _examples(gm):
 class _TrainingStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, coord, *args):
+        if runner.localize is not None:
+            args = runner.localize(args)
         outs = list(runner.fw(coord, *args))
         n = runner.num_fwd
         saved = outs[n:]
@@ -227,6 +234,48 @@ class _TrainingStep(torch.autograd.Function):
                  for g, s in zip(grads, ctx.runner.tangent_specs)]
         outs = ctx.runner.bw(*saved, *grads)
         return (None, *ctx.runner.grads_for_inputs(list(outs)))
+
+
+class _SimulatedTraining(torch.autograd.Function):
+    """The backend's ``simulate`` mode under autograd: the forward runs the joint program's outputs
+    on simulated ranks, the backward runs it again with the incoming gradients (a debugging mode:
+    twice the forward work, exact collectives)."""
+
+    @staticmethod
+    def forward(ctx, prog, index, *args):
+        ctx.prog, ctx.args = prog, [a.detach() for a in args]
+        return tuple(_simulate_joint(prog, ctx.args, None)[0])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _, by_role = _simulate_joint(ctx.prog, ctx.args, grads)
+        out = [None, None]
+        for p in ctx.prog.placeholders:
+            rec = info(p)
+            if rec.kind == PARAM:
+                out.append(by_role.get(("grad_param", rec.fqn)))
+            elif rec.kind == INPUT:
+                out.append(by_role.get(("grad_input", rec.input_index)))
+            elif rec.kind in (BUFFER, CONSTANT):
+                out.append(None)
+        return tuple(out)
+
+
+def _simulate_joint(prog, primal_values, grads):
+    from .passes.capture import TANGENT
+
+    values, it = [], iter(primal_values)
+    for p in prog.placeholders:
+        if info(p).kind == TANGENT:
+            i = info(p).input_index
+            g = grads[i] if grads is not None and grads[i] is not None else None
+            values.append(g if g is not None else torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype))
+        else:
+            values.append(next(it))
+    flat = prog.simulate_placeholders(values)
+    roles = prog.output_roles()
+    outs = [v for r, v in zip(roles, flat) if r[0] == "output"]
+    return outs, {tuple(r): v for r, v in zip(roles, flat) if r[0] != "output"}
 
 
 # ---- the dynamo backend ---------------------------------------------------------------------------
@@ -366,20 +415,23 @@ class ShardedGraph:
                      (int(a) if isinstance(a, (int, torch.SymInt)) else type(a)) for a in args)
 
     def __call__(self, *args):
-        key = self._key(args)
+        # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
+        training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        key = (training, *self._key(args))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = self._build(args)
+            entry = self.entries[key] = self._build(args, training)
         flat = entry(args)
         return tuple(flat) if self.returns_sequence else flat[0]
 
-    def _build(self, args):
+    def _build(self, args, training=False):
         from . import api
 
         opts = self.opts
         mesh = opts.mesh_spec
         cm = opts.cost_model or CostModel(mesh)
-        c = capture_dynamo_graph(self.gm, args, self.constraints.hooked, self.roots, self.sources)
+        c = capture_dynamo_graph(self.gm, args, self.constraints.hooked, self.roots, self.sources, training=training)
+        c.replicate_grads = training  # gradients go back to the global parameters and inputs
         c.mesh, c.device_mesh, c.constraints, c.cost_model = mesh, None if opts.simulate else opts.mesh, \
             self.constraints, cm
         c.fuse, c.bucket_bytes = opts.fuse, opts.bucket_bytes
@@ -392,6 +444,8 @@ class ShardedGraph:
         api.redistribute(c)
         prog = api.program(c)
         self.programs.append(prog)
+        if training:
+            return self._training_entry(prog, args)
         arg_index = [p.meta["fxshard_arg_index"] for p in prog.placeholders]
         if opts.simulate:
             return lambda a: prog.simulate_placeholders([a[i] for i in arg_index])
@@ -407,6 +461,36 @@ class ShardedGraph:
                 else:
                     local.append(compiled.local_of(t, spec))
             return compiled.run_local(local)
+
+        return run
+
+    def _training_entry(self, prog, args):
+        """An autograd-aware runner: the arguments that require grad get global gradients."""
+        from .passes.capture import TANGENT
+
+        primals = [p for p in prog.placeholders if info(p).kind != TANGENT]
+        index = [p.meta["fxshard_arg_index"] for p in primals]
+        if self.opts.simulate:
+            def run(a):
+                return list(_SimulatedTraining.apply(prog, index, *[a[i] for i in index]))
+            return run
+        compiled = CompiledTraining(prog, self.opts.mesh, inductor=self.opts.inductor)
+        kinds = [info(p).kind for p in primals]
+
+        def localize(global_args):
+            out = []
+            for i, kind, spec, t in zip(index, kinds, compiled.primal_specs, global_args):
+                if kind in (PARAM, BUFFER, CONSTANT):
+                    out.append(self._cached_shard(i, t, spec, compiled))
+                else:
+                    out.append(compiled.local_of(t, spec))
+            return out
+
+        compiled.localize = localize
+
+        def run(a):
+            outs = compiled.apply([a[i] for i in index])
+            return list(outs) if isinstance(outs, tuple) else [outs]
 
         return run
 

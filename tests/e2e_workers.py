@@ -126,3 +126,26 @@ def train_parallel(rank, world, shape, names, plan_name, inductor, steps=3, opti
     got = pm.full_state_dict()
     errs = {k: _rel(got[k], v.detach()) for k, v in ref.state_dict().items()}
     return dict(rel=max(errs.values()), worst=max(errs, key=errs.get), losses=losses)
+
+
+def backend_train(rank, world, shape, names, inductor, steps=2):
+    """torch.compile(backend="fxshard") under loss.backward() with SGD on the ordinary (global)
+    module vs single device: max relative error of the weights after ``steps`` steps."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ref = zoo.init_weights(zoo.Llama(zoo.LlamaConfig()), seed=0)
+    model = copy.deepcopy(ref)
+    x = zoo.example_input(ref, generator=torch.Generator().manual_seed(1))
+    dm = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": zoo.megatron_tp_plan(),
+                                                          "inductor": inductor})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for _ in range(steps):
+        for fn, opt in zip((ref, f), opts):
+            opt.zero_grad()
+            fn(*x).float().pow(2).mean().backward()
+            opt.step()
+    return max(_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))

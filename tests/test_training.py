@@ -171,3 +171,28 @@ def test_local_shard_training_matches_single_device():
         assert r["rel"] < 2e-3, r
     for r in spawn(4, e2e_workers.train_parallel, (2, 2), ("dp", "tp"), "llama", True, 3, "sgd"):
         assert r["rel"] < 1e-5, r
+
+
+# ---- the torch.compile backend under loss.backward() -------------------------------------------------
+
+@pytest.mark.parametrize("model_cls", [Llama, zoo.GraphBreakLlama])
+def test_backend_backward_gives_single_device_gradients(model_cls):
+    model = init_weights(model_cls())
+    ref = init_weights(model_cls())
+    x = example_input(model)
+    ref(*x).float().pow(2).mean().backward()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options={
+        "mesh": fxshard.MeshSpec((2, 2), names=("dp", "tp")), "plan": megatron_tp_plan(), "simulate": True})
+    loss = f(*x).float().pow(2).mean()
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+    with torch.no_grad():  # inference after training: the forward-only program, no gradients
+        torch.testing.assert_close(f(*x), ref(*x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_backend_training_on_gloo_matches_single_device():
+    for rel in spawn(4, e2e_workers.backend_train, (2, 2), ("dp", "tp"), True):
+        assert rel < 1e-5

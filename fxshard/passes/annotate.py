@@ -97,6 +97,7 @@ class Annotator:
         self._cand_cache: dict = {}
         self._decisions: dict = {}
         self.batch_size: int | None = None  # when known, only inputs with this leading size are batch-sharded
+        self.replicate_grads = False  # joint graphs: hand back global gradients (the torch.compile backend)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def spec(self, placements, val: torch.Tensor, order=None, what="") -> ShardingSpec:
@@ -357,7 +358,10 @@ class Annotator:
             cur = info(o).spec
             role = tuple(roles[i]) if i < len(roles) else ("output", i)
             if role[0] != "output":
-                specs.append(placeholders[role])
+                if self.replicate_grads or role not in placeholders:  # global gradients (the backend)
+                    specs.append(self.spec([Replicate()] * self.mesh.ndim, o.meta["val"]))
+                else:
+                    specs.append(placeholders[role])
                 continue
             i = role[1]
             if joint and (self.output_placements is None or i >= len(self.output_placements)
@@ -391,13 +395,14 @@ def _shape_key(x):
 
 def annotate(gm: fx.GraphModule, mesh: MeshSpec, constraints: PlanConstraints, *, cost_model: CostModel | None = None,
              input_placements=None, output_placements=None, fuse: bool = False,
-             batch_size: int | None = None) -> list[str]:
+             batch_size: int | None = None, replicate_grads: bool = False) -> list[str]:
     """Fill ``node.meta["fxshard"]`` with placements for every node; returns the warnings.
 
     ``batch_size``: data-parallel mesh dims shard only inputs of this leading size (default: every
     input's dim 0 where it divides)."""
     a = Annotator(mesh, cost_model or CostModel(mesh), constraints, input_placements, output_placements, fuse)
     a.batch_size = batch_size
+    a.replicate_grads = replicate_grads
     for node in gm.graph.nodes:
         rec = info(node)
         if node.op == "placeholder":

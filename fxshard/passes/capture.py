@@ -67,6 +67,7 @@ class Captured:
     bucket_bytes: int = 25 * 1024 * 1024  # bucket independent collectives up to this size (0: off)
     batch_size: int | None = None  # data-parallel dims shard only inputs of this leading size (None: all)
     training: bool = False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
+    replicate_grads: bool = False  # joint graphs: gradients handed back global, not placed like their values
 
 
 class _FnModule(nn.Module):
@@ -340,8 +341,10 @@ def dynamo_sources(gm: fx.GraphModule) -> list[str | None]:
 
 
 def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[str, tuple[int, int]] | None = None,
-                         roots: dict[str, str] | None = None, sources: Sequence[str | None] | None = None) -> Captured:
-    """A dynamo graph + this call's concrete arguments -> a Captured ATen graph.
+                         roots: dict[str, str] | None = None, sources: Sequence[str | None] | None = None,
+                         training: bool = False) -> Captured:
+    """A dynamo graph + this call's concrete arguments -> a Captured ATen graph (``training``: the
+    joint forward+backward graph, parameters' gradients as gradients of those inputs).
 
     Shapes are specialised to ``args`` (the backend captures once per input signature).  Placeholders
     become parameters / buffers (by their dynamo source, e.g. ``L['self']._modules['fc1']._parameters
@@ -374,6 +377,8 @@ def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[st
         full.update(zip(tensor_pos, tensors))
         return fx.Interpreter(gm).run(*[full[i] for i in range(len(args))])
 
+    if training:
+        return _capture_dynamo_joint(run, args, tensor_pos, kinds)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakes = [mode.from_tensor(args[i].detach()) for i in tensor_pos]
     with warnings.catch_warnings(), preserve_node_meta():
@@ -398,6 +403,29 @@ def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[st
     traced.graph.lint()
     traced.recompile()
     return Captured(traced, state, n_inputs, None)
+
+
+class _Run(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *tensors):
+        return self.fn(*tensors)
+
+
+def _capture_dynamo_joint(run, args, tensor_pos, kinds) -> Captured:
+    from ..adapter import describe
+
+    input_kinds = [kinds[i] if kinds[i][0] in (PARAM, BUFFER) else (INPUT, None) for i in tensor_pos]
+    c = capture_joint(_Run(run), [args[i] for i in tensor_pos], input_kinds=input_kinds)
+    for n in c.gm.graph.nodes:
+        if n.op == "placeholder":
+            kind, what = describe(n.meta.get("desc"))
+            if kind == INPUT:
+                n.meta["fxshard_arg_index"] = tensor_pos[what]
+    c.state = {fqn: args[i].detach() for i, (kind, fqn) in zip(tensor_pos, input_kinds) if kind in (PARAM, BUFFER)}
+    return c
 
 
 def _bake_python_scalars(gm: fx.GraphModule, placeholders, args) -> None:
@@ -429,13 +457,17 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
 
 
 def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
-                  boundaries: dict[str, tuple[int, int]] | None = None) -> Captured:
+                  boundaries: dict[str, tuple[int, int]] | None = None,
+                  input_kinds: Sequence[tuple[str, str | None]] | None = None) -> Captured:
     """The joint forward+backward ATen graph of ``model`` (AOTAutograd's export with descriptors).
 
     Placeholders: parameters, buffers, user inputs, then one tangent (incoming gradient) per
     differentiable forward output.  Outputs: the forward outputs, then the gradient of every
     parameter (and of every user input that requires grad); ``info(output).extra["outputs"]`` says
-    which is which: ("output", i), ("grad_param", fqn), ("grad_input", i)."""
+    which is which: ("output", i), ("grad_param", fqn), ("grad_input", i).
+
+    ``input_kinds``: (kind, FQN) per tensor input, when some inputs are really parameters or buffers
+    (a dynamo graph takes its parameters as inputs); user inputs are then renumbered."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..adapter import describe, export_joint
@@ -465,7 +497,7 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
         if kind in (PARAM, BUFFER):
             kinds.append((kind, what))
         elif kind == INPUT:
-            kinds.append((INPUT, None))
+            kinds.append(tuple(input_kinds[what]) if input_kinds is not None else (INPUT, None))
         elif kind == TANGENT:
             if what is None:
                 raise NotImplementedError(f"fxshard.capture: unsupported tangent {p.meta.get('desc')}")
@@ -475,7 +507,15 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     _mark_gradients(gm)
     n_inputs = _record(gm, kinds)
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    info(out).extra["outputs"] = [describe(d) for d in out.meta.get("desc", ())]
+    roles = [describe(d) for d in out.meta.get("desc", ())]
+    if input_kinds is not None:  # gradients of inputs that are parameters -> of those parameters
+        user_index = {}
+        for i, (kind, _) in enumerate(input_kinds):
+            if kind == INPUT:
+                user_index[i] = len(user_index)
+        roles = [(("grad_param", input_kinds[r[1]][1]) if input_kinds[r[1]][0] == PARAM else
+                  ("grad_input", user_index.get(r[1]))) if r[0] == "grad_input" else r for r in roles]
+    info(out).extra["outputs"] = roles
     _check_no_input_mutation(gm)
     state = {f: t.detach() for f, t in module.named_parameters()}
     state.update({f: t.detach() for f, t in module.named_buffers()})
