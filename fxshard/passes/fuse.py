@@ -39,12 +39,25 @@ def _wait_of(node: fx.Node):
     return None
 
 
+def _depends_on_tangents(gm: fx.GraphModule) -> set:
+    out: set = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and "tangents" in str(n.target)) or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -> int:
     """Bucket independent all-reduces / all-gathers; returns how many collectives were removed."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # joint graphs: a forward collective never shares a bucket with a backward one (the partitioner
+    # must be able to split them, and a forward value must not wait on a gradient)
+    backward = _depends_on_tangents(gm)
     items = []
     for n in gm.graph.nodes:
         key = _collective_key(n)
+        if key is not None:
+            key = (*key, n in backward)
         wait = _wait_of(n) if key else None
         if key is None or wait is None or not isinstance(n.args[0], fx.Node):
             continue
