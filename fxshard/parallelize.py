@@ -139,13 +139,16 @@ class ParallelModule(nn.Module):
 
     # ---- running ------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _global_meta_state(self):
-        """Swap every local shard for a meta tensor of the global shape while capturing."""
+    def _global_meta_state(self, fake_mode):
+        """Swap every local shard for a fake tensor of the global shape while capturing (fake, not
+        meta: ops pick their kernels by device, e.g. CPU/CUDA attention, and the graph must be the
+        one that will run)."""
         saved = []
         for fqn, spec in self.specs.items():
             owner, name = _owner(self.module, fqn)
             local = getattr(owner, name)
-            meta = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+            with fake_mode:
+                meta = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             if isinstance(local, nn.Parameter):
                 owner._parameters[name] = nn.Parameter(meta, requires_grad=local.requires_grad)
             else:
@@ -167,9 +170,13 @@ class ParallelModule(nn.Module):
         hit = self._programs.get(key)
         if hit is not None:
             return hit
-        meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=x.requires_grad)
-                       if isinstance(x, torch.Tensor) else x for x in inputs]
-        with self._global_meta_state():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device=self.device).requires_grad_(x.requires_grad)
+                           if isinstance(x, torch.Tensor) else x for x in inputs]
+        with self._global_meta_state(fake_mode):
             prog = api.shard(self.module, self.mesh, self.plan, example_inputs=meta_inputs, tp_dim=self.tp_dim,
                              training=training, **self.options)
         for p in prog.placeholders:

@@ -474,8 +474,11 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
 
     module = model if isinstance(model, nn.Module) else _FnModule(model)
     handles = _install_boundary_hooks(module, boundaries or {})
-    fm = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    from torch._guards import detect_fake_mode
+
+    fm = detect_fake_mode(tuple(example_inputs)) or FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) and x not in _fakes_of(fm, example_inputs) else x
+             for x in example_inputs]
     try:
         with fm, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -522,6 +525,12 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     c = Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
     c.training = True
     return c
+
+
+def _fakes_of(mode, values) -> list:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return [v for v in values if isinstance(v, FakeTensor) and v.fake_mode is mode]
 
 
 def _mark_gradients(gm: fx.GraphModule) -> None:
