@@ -62,7 +62,8 @@ def _eager_counts(fn):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # the native ops only (the Python-level c10d_functional wrappers dispatch to these)
-            if func.namespace == "_c10d_functional" and "wait" not in func.__name__:
+            if func.namespace == "_c10d_functional" and "wait" not in func.__name__ \
+                    and "wrap" not in func.__name__:  # not _wrap_tensor_autograd (bookkeeping, no traffic)
                 Count.n += 1
                 if args and isinstance(args[0], torch.Tensor):
                     Count.bytes += args[0].numel() * args[0].element_size()
