@@ -254,7 +254,7 @@ def inductor_compile(gm, example_inputs):
 # ---- joint forward+backward graphs (AOTAutograd) --------------------------------------------------
 
 def export_joint(module, fake_args, decompositions):
-    """``aot_export_joint_with_descriptors``: (joint GraphModule, its fake mode).  Placeholders are
+    """``aot_export_joint_with_descriptors``: (joint GraphModule, pytree spec of the forward outputs).  Placeholders are
     ``primals_*`` / ``tangents_*`` with ``meta["desc"]``; the output node's ``meta["desc"]`` lists
     what each output is (see ``describe``)."""
     import contextlib
@@ -264,7 +264,7 @@ def export_joint(module, fake_args, decompositions):
     with contextlib.ExitStack() as stack:
         jd = aot_export_joint_with_descriptors(stack, module, tuple(fake_args), decompositions=decompositions,
                                                _record_nn_module_stack=True)
-    return jd.graph_module, jd.fake_mode
+    return jd.graph_module, jd.out_spec
 
 
 def describe(desc) -> tuple[str, object]:

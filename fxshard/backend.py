@@ -10,8 +10,11 @@ whatever runs between graphs (a graph break) sees exactly what the single-device
 Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
 first call, with the call's concrete shapes: recompiles on new shapes work, and dynamo's dynamic
 shapes are specialised per signature rather than compiled symbolically.  Parameters are sliced to
-local shards once and cached; a replaced parameter (new object) or one updated in place (its version
-counter moves) is sliced again.
+local shards once and cached; a replaced parameter (new object, or new storage through ``p.data =``)
+or one updated in place (its version counter moves: optimizers, ``p.mul_()`` under no_grad) is sliced
+again.  In-place updates through ``p.data`` bypass the version counter and are not seen: shards that
+are views (dim-0 shards, replicated parameters) see them, copies do not; update parameters in place
+instead, or call ``torch._dynamo.reset()``.
 
 Options (``options={...}``): ``mesh`` (a ``DeviceMesh``; a ``MeshSpec`` or shape with
 ``simulate=True``), ``plan`` (ParallelStyle / tp_plan dict, ``{}`` for none), ``tp_dim``, ``fuse``,
@@ -30,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .adapter import calling_modules, dynamo_frame_locals, inductor_compile, placeholder_source
+from .adapter import Replicate, calling_modules, dynamo_frame_locals, inductor_compile, placeholder_source
 from .cost import CostModel
 from .mesh import MeshSpec
 from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, capture_dynamo_graph, dynamo_sources, info
@@ -50,6 +53,23 @@ def device_of(device_mesh) -> torch.device:
     return torch.device(t, torch.get_device_module(t).current_device())
 
 
+def _check_mesh(program, device_mesh) -> tuple:
+    """This rank's mesh coordinate, after checking there is a process group and the mesh fits."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("compiling a sharded program needs an initialised process group "
+                           "(torch.distributed.init_process_group) and a DeviceMesh; to run every rank in "
+                           "one process use simulate() instead")
+    if tuple(device_mesh.shape) != tuple(program.mesh.shape):
+        raise ValueError(f"the program was sharded for mesh {program.mesh.shape}, the DeviceMesh is "
+                         f"{tuple(device_mesh.shape)}")
+    coord = device_mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError("this rank is not part of the device mesh")
+    return coord
+
+
 class CompiledProgram:
     """One rank's compiled program (``ShardedProgram.compile``).
 
@@ -57,19 +77,8 @@ class CompiledProgram:
     (``output_specs``; replicated outputs are global values).  ``run_local(local_args)`` runs on
     local shards of every placeholder (parameters included), in ``program.placeholders`` order."""
 
-    def __init__(self, program, device_mesh, *, inductor: bool = True, params: dict | None = None):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError("ShardedProgram.compile needs an initialised process group "
-                               "(torch.distributed.init_process_group) and a DeviceMesh; to run every rank in "
-                               "one process use simulate() instead")
-        if tuple(device_mesh.shape) != tuple(program.mesh.shape):
-            raise ValueError(f"the program was sharded for mesh {program.mesh.shape}, the DeviceMesh is "
-                             f"{tuple(device_mesh.shape)}")
-        coord = device_mesh.get_coordinate()
-        if coord is None:
-            raise RuntimeError("this rank is not part of the device mesh")
+    def __init__(self, program, device_mesh, *, inductor: bool = True, own_state: bool = True):
+        coord = _check_mesh(program, device_mesh)
         self.program = program
         self.device_mesh = device_mesh
         self.device = device_of(device_mesh)
@@ -82,15 +91,13 @@ class CompiledProgram:
         self.inductor = inductor
         self.fn = inductor_compile(local, example) if inductor else local
         self.local_graph = local
-        # parameters, buffers and constants: sliced once (given, for modules that hold local shards)
+        # parameters, buffers and constants: the captured ones sliced once (``own_state``); callers
+        # that hold their own shards (the backend, parallelize) pass them to run_local instead
         self.state: dict[str, torch.Tensor] = {}
         for p, spec in zip(program.placeholders, self.specs):
             rec = info(p)
-            if rec.kind in (PARAM, BUFFER, CONSTANT):
-                if params is not None and rec.fqn in params:
-                    self.state[rec.fqn] = params[rec.fqn]
-                elif params is None:
-                    self.state[rec.fqn] = self.local_of(program.captured.state[rec.fqn], spec)
+            if own_state and rec.kind in (PARAM, BUFFER, CONSTANT):
+                self.state[rec.fqn] = self.local_of(program.captured.state[rec.fqn], spec)
 
     def local_of(self, full: torch.Tensor, spec) -> torch.Tensor:
         """This rank's shard of a global tensor (a local slice, no communication)."""
@@ -123,20 +130,25 @@ class CompiledTraining:
     ``backward()`` through them gives every parameter (and input that requires grad) its local
     gradient shard, placed like the parameter."""
 
-    def __init__(self, program, device_mesh, *, inductor: bool = True):
+    def __init__(self, program, device_mesh, *, inductor: bool = True, localize=None):
         from .adapter import partition_joint
         from .passes.capture import TANGENT
 
         if not program.training:
             raise ValueError("CompiledTraining needs a training program (fxshard.shard(..., training=True))")
+        coord = _check_mesh(program, device_mesh)
         self.program = program
+        # localize(global args) -> local shards, inside the Function: the backend hands global
+        # parameters in and gets global gradients back
+        self.localize = localize
         self.device = device_of(device_mesh)
-        coord = device_mesh.get_coordinate()
         self.coord_ints = tuple(int(c) for c in coord)
         self.coord = torch.tensor(self.coord_ints, dtype=torch.long, device=self.device)
         places = program.placeholders
         self.primal_specs = [info(p).spec for p in places if info(p).kind != TANGENT]
-        self.tangent_specs = [info(p).spec for p in places if info(p).kind == TANGENT]
+        # (forward output index, spec) per tangent, in placeholder order: only outputs that can have
+        # a gradient get a tangent, so incoming gradients are matched by output index, not position
+        self.tangents = [(info(p).input_index, info(p).spec) for p in places if info(p).kind == TANGENT]
         self.primal_kinds = [(info(p).kind, info(p).fqn, info(p).input_index) for p in places
                              if info(p).kind != TANGENT]
         roles = program.output_roles()
@@ -155,8 +167,6 @@ class CompiledTraining:
         else:
             self.fw = lambda *a: fw(*a)
             self.bw = lambda *a: bw(*a)
-
-    localize = None  # global args -> local shards inside the Function (the backend: global gradients)
 
     def local_of(self, full: torch.Tensor, spec) -> torch.Tensor:
         return spec.local_of(full.detach().to(self.device), self.coord_ints)
@@ -209,6 +219,14 @@ def _examples(gm):
     return out
 
 
+def _no_double_backward():
+    # grad mode is on inside a Function's backward exactly when the caller asked for create_graph
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            "fxshard: double backward (autograd.grad(..., create_graph=True), e.g. a gradient penalty) through a "
+            "sharded graph is not supported: its backward is compiled once and not differentiable")
+
+
 class _TrainingStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, coord, *args):
@@ -222,17 +240,21 @@ class _TrainingStep(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         ctx.layout = [isinstance(t, torch.Tensor) for t in saved]
         ctx.others = [t for t in saved if not isinstance(t, torch.Tensor)]
+        differentiable = {i for i, _ in runner.tangents}
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs[:n])
+                                      if i not in differentiable and isinstance(o, torch.Tensor)])
         return tuple(outs[:n]) if n > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grads):
+        _no_double_backward()
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         # Inductor asserts the strides it compiled for: saved activations are handed over contiguous
         saved = [next(tensors).contiguous() if is_t else next(others) for is_t in ctx.layout]
-        grads = [g.contiguous() if g is not None else
-                 torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
-                 for g, s in zip(grads, ctx.runner.tangent_specs)]
-        outs = ctx.runner.bw(*saved, *grads)
+        tangents = [grads[i].contiguous() if grads[i] is not None else
+                    torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
+                    for i, s in ctx.runner.tangents]
+        outs = ctx.runner.bw(*saved, *tangents)
         return (None, *ctx.runner.grads_for_inputs(list(outs)))
 
 
@@ -242,14 +264,15 @@ class _SimulatedTraining(torch.autograd.Function):
     twice the forward work, exact collectives)."""
 
     @staticmethod
-    def forward(ctx, prog, index, *args):
+    def forward(ctx, prog, *args):
         ctx.prog, ctx.args = prog, [a.detach() for a in args]
         return tuple(_simulate_joint(prog, ctx.args, None)[0])
 
     @staticmethod
     def backward(ctx, *grads):
+        _no_double_backward()
         _, by_role = _simulate_joint(ctx.prog, ctx.args, grads)
-        out = [None, None]
+        out = [None]
         for p in ctx.prog.placeholders:
             rec = info(p)
             if rec.kind == PARAM:
@@ -403,6 +426,10 @@ class ShardedGraph:
         self.constraints = constraints
         self.roots = roots
         self.sources = dynamo_sources(gm)
+        # Python numbers dynamo lifted to 0-d tensors are baked into the capture as constants: their
+        # values are part of the signature a capture is reused for
+        self.baked = {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                      if any(u.op == "call_method" and u.target == "item" for u in p.users)}
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.returns_sequence = isinstance(out, (tuple, list))
         self.num_outputs = len(out) if self.returns_sequence else 1
@@ -411,8 +438,10 @@ class ShardedGraph:
         self.programs: list = []  # every ShardedProgram built (debugging: explain())
 
     def _key(self, args):
-        return tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else
-                     (int(a) if isinstance(a, (int, torch.SymInt)) else type(a)) for a in args)
+        return tuple(((tuple(a.shape), a.dtype, a.device, a.item() if i in self.baked else None)
+                      if isinstance(a, torch.Tensor) else
+                      (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a)))
+                     for i, a in enumerate(args))
 
     def __call__(self, *args):
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
@@ -439,7 +468,7 @@ class ShardedGraph:
         # layer's frame after a graph break, masks) stay replicated on the data-parallel dims
         first = next((p.meta["val"] for p in c.gm.graph.nodes if p.op == "placeholder" and info(p).kind == INPUT), None)
         c.batch_size = first.shape[0] if first is not None and first.ndim else None
-        replicated = tuple(_replicate() for _ in range(mesh.ndim))
+        replicated = tuple(Replicate() for _ in range(mesh.ndim))
         api.annotate(c, output_placements=[replicated] * self.num_outputs)
         api.redistribute(c)
         prog = api.program(c)
@@ -449,7 +478,7 @@ class ShardedGraph:
         arg_index = [p.meta["fxshard_arg_index"] for p in prog.placeholders]
         if opts.simulate:
             return lambda a: prog.simulate_placeholders([a[i] for i in arg_index])
-        compiled = CompiledProgram(prog, opts.mesh, inductor=opts.inductor, params={})
+        compiled = CompiledProgram(prog, opts.mesh, inductor=opts.inductor, own_state=False)
         kinds = [info(p).kind for p in prog.placeholders]
 
         def run(a):
@@ -472,9 +501,8 @@ class ShardedGraph:
         index = [p.meta["fxshard_arg_index"] for p in primals]
         if self.opts.simulate:
             def run(a):
-                return list(_SimulatedTraining.apply(prog, index, *[a[i] for i in index]))
+                return list(_SimulatedTraining.apply(prog, *[a[i] for i in index]))
             return run
-        compiled = CompiledTraining(prog, self.opts.mesh, inductor=self.opts.inductor)
         kinds = [info(p).kind for p in primals]
 
         def localize(global_args):
@@ -486,7 +514,7 @@ class ShardedGraph:
                     out.append(compiled.local_of(t, spec))
             return out
 
-        compiled.localize = localize
+        compiled = CompiledTraining(prog, self.opts.mesh, inductor=self.opts.inductor, localize=localize)
 
         def run(a):
             outs = compiled.apply([a[i] for i in index])
@@ -496,17 +524,13 @@ class ShardedGraph:
 
     def _cached_shard(self, i, t, spec, compiled):
         hit = self._shards.get(i)
-        if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2].shape == local_shape(spec):
+        if hit is not None and hit[0]() is t and hit[1] == (t._version, t.data_ptr()) \
+                and hit[2].shape == local_shape(spec):
             return hit[2]
         local = compiled.local_of(t, spec)
-        self._shards[i] = (weakref.ref(t), t._version, local)
+        self._shards[i] = (weakref.ref(t), (t._version, t.data_ptr()), local)
         return local
 
-
-def _replicate():
-    from .adapter import Replicate
-
-    return Replicate()
 
 
 def fxshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):

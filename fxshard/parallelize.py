@@ -5,7 +5,7 @@ The returned module's parameters are this rank's shards only (plain tensors of l
 parameter at a time, so a model too large for one rank fits; its values then come from
 ``load_full_state_dict`` (streamed: one global tensor at a time) or an ``init_fn``.
 
-Calling the module captures the model (on ``meta``: no memory) for the input shapes at hand, shards
+Calling the module captures the model (on fake tensors: no memory) for the input shapes at hand, shards
 it with the same plan, compiles the per-rank program with Inductor and runs it on the local shards.
 Inputs are the global values (every rank passes the same); outputs are this rank's shards of the
 results (``output_specs``), i.e. the global values for replicated outputs.
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from .adapter import Replicate
 from .backend import CompiledProgram, device_of
 from .cost import CostModel
 from .mesh import MeshSpec
@@ -68,9 +69,16 @@ class ParallelModule(nn.Module):
     # ---- sharding the state -------------------------------------------------------------------------
     def _materialise(self, init_fn):
         model = self.module
-        entries = [(f, t, True) for f, t in model.named_parameters()] + \
-                  [(f, t, False) for f, t in model.named_buffers()]
+        entries = [(f, t, True) for f, t in model.named_parameters(remove_duplicate=False)] + \
+                  [(f, t, False) for f, t in model.named_buffers(remove_duplicate=False)]
+        shared: dict[int, tuple] = {}  # tied tensors: every alias gets the first FQN's shard
         for fqn, t, is_param in entries:
+            if id(t) in shared:
+                first, local = shared[id(t)]
+                self.specs[fqn] = self.specs[first]
+                owner, name = _owner(model, fqn)
+                (owner._parameters if is_param else owner._buffers)[name] = local
+                continue
             spec, _prov, warning = state_spec(self.mesh, self.constraints, fqn, tuple(t.shape), t.dtype)
             if warning:
                 self.warnings.append(warning)
@@ -86,10 +94,12 @@ class ParallelModule(nn.Module):
                     local = spec.local_of(t.detach().to(self.device), self.coord).clone()
             owner, name = _owner(model, fqn)
             if is_param:
-                setattr(owner, name, nn.Parameter(local, requires_grad=t.requires_grad))
+                local = nn.Parameter(local, requires_grad=t.requires_grad)
+                setattr(owner, name, local)
             else:
                 owner._buffers[name] = local
-            del t, local  # a global tensor is freed as soon as its shard replaces it
+            shared[id(t)] = (fqn, local)
+            del t, local  # a global tensor is freed as soon as its shard replaces it (and its aliases')
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer as its global tensor (gathered; on every rank)."""
@@ -107,7 +117,7 @@ class ParallelModule(nn.Module):
             if all(not lv for lv in spec.levels):
                 out[fqn] = local.clone()
                 continue
-            full = ShardingSpec.make(spec.mesh, (_replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
+            full = ShardingSpec.make(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
             plan = plan_between(spec, full, self.options["cost_model"])
             out[fqn] = execute_plan(plan, local.contiguous(), groups, self.coord)
         return out
@@ -165,8 +175,15 @@ class ParallelModule(nn.Module):
         from . import api
         from .backend import CompiledTraining
 
-        key = (training,) + tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
-                                  for x in inputs)
+        for x in inputs:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"fxshard.parallelize: forward takes tensors only (got {type(x).__name__}); bind "
+                                f"other arguments in the module")
+        # what the captured program depends on besides shapes: which parameters train, and each
+        # submodule's train/eval mode (dropout, norms)
+        key = (training, tuple(p.requires_grad for p in self.module.parameters()),
+               tuple(m.training for m in self.module.modules()),
+               *((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs))
         hit = self._programs.get(key)
         if hit is not None:
             return hit
@@ -187,7 +204,7 @@ class ParallelModule(nn.Module):
         if training:
             compiled = CompiledTraining(prog, self.device_mesh, inductor=self.inductor)
         else:
-            compiled = CompiledProgram(prog, self.device_mesh, inductor=self.inductor, params={})
+            compiled = CompiledProgram(prog, self.device_mesh, inductor=self.inductor, own_state=False)
         self._programs[key] = (prog, compiled)
         return prog, compiled
 
@@ -217,14 +234,9 @@ class ParallelModule(nn.Module):
                 args.append(rec.spec.local_of(x.to(self.device), self.coord))
         if training:
             outs = compiled.apply(args)
-            return outs
+            return prog.restructure(list(outs) if isinstance(outs, tuple) else [outs])
         return prog.restructure(compiled.run_local(args))
 
-
-def _replicate():
-    from .adapter import Replicate
-
-    return Replicate()
 
 
 def parallelize(model: nn.Module, device_mesh, plan: dict, **kwargs) -> ParallelModule:

@@ -168,6 +168,9 @@ class ShardedProgram:
                 grads[role[1]] = value
             elif role[0] == "grad_input":
                 grads[f"input:{role[1]}"] = value
+        spec = getattr(self.captured, "out_spec", None)
+        if spec is not None and spec.num_leaves == len(outs):
+            return torch.utils._pytree.tree_unflatten(outs, spec), grads
         structure = outs if len(outs) != 1 else outs[0]
         return (tuple(structure) if isinstance(structure, list) else structure), grads
 
@@ -186,7 +189,10 @@ class ShardedProgram:
             return [sim.assemble(o, s) if s is not None else o for o, s in zip(flat, self.output_specs)]
 
     def restructure(self, flat: list):
-        """Flat outputs in the structure the program returns (one value, or a tuple/list)."""
+        """Flat (forward) outputs in the structure the model returns (its pytree: dicts, tuples...)."""
+        spec = getattr(self.captured, "out_spec", None)
+        if spec is not None and spec.num_leaves == len(flat):
+            return torch.utils._pytree.tree_unflatten(list(flat), spec)
         structure = next(n for n in self.graph.graph.nodes if n.op == "output").args[0]
         if isinstance(structure, (tuple, list)):
             return type(structure)(flat) if len(flat) > 1 else flat[0]

@@ -149,6 +149,9 @@ def test_parameter_shards_are_cached_and_refreshed():
     w2 = w.clone()  # replaced: a new object
     g._cached_shard(0, w2, spec, Fake())
     assert len(calls) == 3
+    w2.data = torch.randn(8, 2)  # new storage behind the same object (no version bump)
+    d = g._cached_shard(0, w2, spec, Fake())
+    assert len(calls) == 4 and torch.equal(d, w2[2:4])
 
 
 def test_compile_needs_a_process_group_and_mesh():

@@ -196,3 +196,111 @@ def test_backend_backward_gives_single_device_gradients(model_cls):
 def test_backend_training_on_gloo_matches_single_device():
     for rel in spawn(4, e2e_workers.backend_train, (2, 2), ("dp", "tp"), True):
         assert rel < 1e-5
+
+
+# ---- regressions from review: one rank of a real (gloo) group, eager per-rank graphs ----------------
+
+@pytest.fixture
+def one_rank_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxshard.launch import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+class MaskAndValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return (y > 0).to(y.dtype), y  # the first output has no gradient (no tangent)
+
+
+def test_gradients_match_outputs_by_index_not_position(one_rank_mesh):
+    model, ref = MaskAndValue(), MaskAndValue()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    ref(x)[1].sum().backward()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options={"mesh": one_rank_mesh, "plan": {}, "inductor": False})
+    mask, y = f(x)
+    assert not mask.requires_grad
+    y.sum().backward()
+    torch.testing.assert_close(model.fc.weight.grad, ref.fc.weight.grad)
+
+
+def test_double_backward_is_an_error(one_rank_mesh):
+    model = init_weights(MLP())
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options={"mesh": one_rank_mesh, "plan": {}, "inductor": False})
+    x = example_input(model)[0].requires_grad_()
+    with pytest.raises(Exception, match="double backward"):
+        torch.autograd.grad(f(x).sum(), x, create_graph=True)
+
+
+def test_parallelize_follows_freezing_eval_mode_and_tied_weights(one_rank_mesh):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.drop = nn.Dropout(0.5)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, t):
+            return {"logits": self.head(self.drop(self.emb(t)))}
+
+    model = Tied()
+    t = torch.randint(0, 10, (2, 3), generator=torch.Generator().manual_seed(0))
+    ref = model.eval()(t)["logits"].detach()
+    pm = fxshard.parallelize(model.train(), one_rank_mesh, {}, inductor=False)
+    assert pm.module.head.weight is pm.module.emb.weight
+    with torch.no_grad():
+        pm.train()
+        pm(t)
+        pm.eval()
+        out = pm(t)  # a new program: dropout off
+    assert isinstance(out, dict)
+    torch.testing.assert_close(out["logits"], ref)
+    pm.module.emb.weight.requires_grad_(False)
+    assert not pm(t)["logits"].requires_grad  # frozen: the inference program, as eagerly
+    pm.module.emb.weight.requires_grad_(True)
+    pm(t)["logits"].sum().backward()  # unfrozen: a new program that computes its gradient
+    assert pm.module.emb.weight.grad is not None
+
+
+def test_float_arguments_are_part_of_the_signature():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, scale: float):
+            return self.fc(x) * scale
+
+    model = Scaled()
+    x = torch.randn(2, 4)
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        f = torch.compile(model, backend="fxshard", dynamic=dynamic,
+                          options={"mesh": fxshard.MeshSpec((2,)), "plan": {}, "simulate": True})
+        with torch.no_grad():
+            for scale in (2.0, 3.0, 5.0):
+                torch.testing.assert_close(f(x, scale), model(x, scale))
+
+
+def test_batchnorm_running_stats_update_is_an_error():
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options={"mesh": fxshard.MeshSpec((2,)), "plan": {}, "simulate": True})
+    with pytest.raises(Exception, match="in-place state updates are not supported"):
+        f(torch.randn(8, 4)).sum().backward()

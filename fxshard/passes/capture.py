@@ -68,6 +68,7 @@ class Captured:
     batch_size: int | None = None  # data-parallel dims shard only inputs of this leading size (None: all)
     training: bool = False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
     replicate_grads: bool = False  # joint graphs: gradients handed back global, not placed like their values
+    out_spec: object = None  # pytree spec of the model's outputs (None: a flat tuple or one value)
 
 
 class _FnModule(nn.Module):
@@ -192,7 +193,9 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, example_kwarg
     for name, t in list(state.items()):
         if isinstance(t, nn.Parameter):
             state[name] = t.detach()
-    return Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
+    c = Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
+    c.out_spec = ep.call_spec.out_spec
+    return c
 
 
 def _record(gm: fx.GraphModule, kinds: list[tuple[str, str | None]], roots: dict | None = None) -> int:
@@ -477,12 +480,12 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     from torch._guards import detect_fake_mode
 
     fm = detect_fake_mode(tuple(example_inputs)) or FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) and x not in _fakes_of(fm, example_inputs) else x
+    fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake_of(fm, x) else x
              for x in example_inputs]
     try:
         with fm, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            gm, _ = export_joint(module, fakes, _decomposition_table())
+            gm, out_spec = export_joint(module, fakes, _decomposition_table())
     except Exception as e:
         raise RuntimeError(f"fxshard.capture: could not trace the forward+backward of {type(module).__name__}: "
                            f"{e}") from e
@@ -511,6 +514,13 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     n_inputs = _record(gm, kinds)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     roles = [describe(d) for d in out.meta.get("desc", ())]
+    other = [r[0] for r in roles if r[0] not in ("output", "grad_param", "grad_input", "NoneType")]
+    if other:  # e.g. InputMutationAOTOutput: BatchNorm updating running stats in training mode
+        raise NotImplementedError(
+            f"fxshard.capture: the model's forward+backward has outputs of kind {sorted(set(other))} (an in-place "
+            f"update of a buffer or input, e.g. BatchNorm running statistics in train mode); in-place state "
+            f"updates are not supported by the sharding pass yet (use eval() for such modules, or remove the "
+            f"update)")
     if input_kinds is not None:  # gradients of inputs that are parameters -> of those parameters
         user_index = {}
         for i, (kind, _) in enumerate(input_kinds):
@@ -524,13 +534,14 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     state.update({f: t.detach() for f, t in module.named_buffers()})
     c = Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
     c.training = True
+    c.out_spec = out_spec
     return c
 
 
-def _fakes_of(mode, values) -> list:
+def _is_fake_of(mode, value) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return [v for v in values if isinstance(v, FakeTensor) and v.fake_mode is mode]
+    return isinstance(value, FakeTensor) and value.fake_mode is mode
 
 
 def _mark_gradients(gm: fx.GraphModule) -> None:

@@ -76,7 +76,7 @@ class _LocalInterpreter(fx.Interpreter):
         if n.op == "call_function" and rec.extra.get("vocab_dims"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return _vocab_parallel_embedding(args[0], args[1], info(n).input_specs[0], self.coord)
-        if self.device is not None and n.op == "call_function" and "device" in n.kwargs:
+        if self.device is not None and n.op == "call_function" and "device" in n.kwargs and not n.all_input_nodes:
             # factories made where the program was captured (e.g. meta) run where it is compiled
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return n.target(*args, **{**kwargs, "device": self.device})
