@@ -540,6 +540,8 @@ def fxshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     opts = BackendOptions.parse(options)
     key = id(options)
     if key not in _SCOPES or _SCOPES[key][0] is not options:
+        while len(_SCOPES) >= 64:  # keep the newest compiles' scopes, not every options dict ever seen
+            _SCOPES.pop(next(iter(_SCOPES)))
         _SCOPES[key] = (options, _PlanScope())
     constraints, roots = _SCOPES[key][1].resolve(opts, _frame_modules(gm))
     graph = ShardedGraph(gm, opts, constraints, roots)
