@@ -25,7 +25,7 @@ from .passes import annotate as _annotate
 from .passes.capture import Captured, capture_joint, info
 from .passes.capture import capture as _capture
 from .passes.redistribute import insert_redistributes
-from .plans import PlanConstraints, plan_dim, resolve_plan
+from .plans import PlanConstraints, resolve_plan
 from .program import ShardedProgram
 from .report import log_program
 from .spec import ShardingSpec
@@ -42,11 +42,7 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan
     cm = cost_model or CostModel(mesh)
     if cm.mesh.shape != mesh.shape:
         raise ValueError(f"the cost model is for mesh {cm.mesh.shape}, the program for {mesh.shape}")
-    if plan:
-        constraints = resolve_plan(plan, model if isinstance(model, nn.Module) else None, mesh, tp_dim)
-    else:
-        default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
-        constraints = PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)
+    constraints = resolve_plan(plan, model if isinstance(model, nn.Module) else None, mesh, tp_dim)
     if training:
         c = capture_joint(model, example_inputs, boundaries=constraints.hooked)
     else:

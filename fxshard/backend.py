@@ -39,7 +39,7 @@ from .mesh import MeshSpec
 from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, capture_dynamo_graph, dynamo_sources, info
 from .passes.lower import bind_groups, local_shape
 from .planner.execute import group_names
-from .plans import PlanConstraints, plan_dim, resolve_plan
+from .plans import PlanConstraints, resolve_plan
 
 log = logging.getLogger("fxshard")
 
@@ -360,7 +360,7 @@ class _PlanScope:
             if opts.plan:
                 raise ValueError("fxshard backend: a module plan needs torch.compile of an nn.Module (this graph "
                                  "has no module parameters); pass plan={} for plain functions")
-            return self._default(mesh, opts), {}
+            return resolve_plan(None, None, mesh, opts.tp_dim), {}
         for top, cons in self.tops.items():
             roots = _prefixes(top, frame_modules)
             if roots is not None:
@@ -370,16 +370,11 @@ class _PlanScope:
         for top in [*calling_modules(), *frame_modules.values()]:
             roots = _prefixes(top, frame_modules)
             if roots is not None:
-                cons = resolve_plan(opts.plan, top, mesh, opts.tp_dim) if opts.plan else self._default(mesh, opts)
+                cons = resolve_plan(opts.plan, top, mesh, opts.tp_dim)
                 self.tops[top] = cons
                 return cons, roots
         raise ValueError(f"fxshard backend: the graph uses modules {sorted(frame_modules)} that are not parts of one "
                          f"module; compile the top-level module")
-
-    @staticmethod
-    def _default(mesh, opts) -> PlanConstraints:
-        default_dim = opts.tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
-        return PlanConstraints(dim=plan_dim(mesh, opts.tp_dim) if default_dim else None)
 
 
 def _prefixes(top: nn.Module, frame_modules: dict[str, nn.Module]) -> dict[str, str] | None:

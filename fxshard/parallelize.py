@@ -26,7 +26,7 @@ from .mesh import MeshSpec
 from .passes.annotate import state_spec
 from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, info
 from .passes.lower import local_shape
-from .plans import PlanConstraints, plan_dim, resolve_plan
+from .plans import resolve_plan
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -55,11 +55,7 @@ class ParallelModule(nn.Module):
         if coord is None:
             raise RuntimeError("this rank is not part of the device mesh")
         self.coord = tuple(int(c) for c in coord)
-        if plan:
-            self.constraints = resolve_plan(plan, model, self.mesh, tp_dim)
-        else:
-            default = tp_dim is not None or self.mesh.ndim == 1 or bool(self.mesh.names and "tp" in self.mesh.names)
-            self.constraints = PlanConstraints(dim=plan_dim(self.mesh, tp_dim) if default else None)
+        self.constraints = resolve_plan(plan, model, self.mesh, tp_dim)
         self.specs: dict = {}  # fqn -> global ShardingSpec of every parameter and buffer
         self.warnings: list[str] = []
         self.uninitialised: set[str] = set()

@@ -83,8 +83,12 @@ def _match(pattern: str, fqn: str) -> bool:
 
 
 def resolve_plan(plan: dict | None, model: nn.Module | None, mesh: MeshSpec, tp_dim=None) -> PlanConstraints:
+    """The constraints of ``plan`` on ``model``.  Without a plan: none, but the plan dim is still
+    known where it can be (``tp_dim``, a 1-D mesh, a dim named ``tp``): inputs are then batch-sharded
+    on the other (data-parallel) dims."""
     if not plan:
-        return PlanConstraints(dim=None)
+        default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
+        return PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)
     if model is None:
         raise ValueError("a module plan needs an nn.Module; for a plain callable pass input_placements / "
                          "output_placements instead")
