@@ -149,8 +149,7 @@ class CompiledTraining:
         # (forward output index, spec) per tangent, in placeholder order: only outputs that can have
         # a gradient get a tangent, so incoming gradients are matched by output index, not position
         self.tangents = [(info(p).input_index, info(p).spec) for p in places if info(p).kind == TANGENT]
-        self.primal_kinds = [(info(p).kind, info(p).fqn, info(p).input_index) for p in places
-                             if info(p).kind != TANGENT]
+        self.primal_kinds = _primal_kinds(program)
         roles = program.output_roles()
         self.num_fwd = sum(r[0] == "output" for r in roles)
         self.grad_roles = roles[self.num_fwd:]
@@ -197,17 +196,23 @@ class CompiledTraining:
         return outs, {f: t.grad for f, t in self._state.items() if t.grad is not None}
 
     def grads_for_inputs(self, grads) -> list:
-        """Backward outputs mapped onto the primal inputs (None where no gradient)."""
-        by_role = dict(zip((tuple(r) for r in self.grad_roles), grads))
-        out = [None]  # the mesh coordinate
-        for kind, fqn, index in self.primal_kinds:
-            if kind == PARAM:
-                out.append(by_role.get(("grad_param", fqn)))
-            elif kind == INPUT:
-                out.append(by_role.get(("grad_input", index)))
-            else:
-                out.append(None)
-        return out
+        """Backward outputs mapped onto (mesh coordinate, *primal inputs); None where no gradient."""
+        return [None, *_gradients_of(self.primal_kinds, dict(zip((tuple(r) for r in self.grad_roles), grads)))]
+
+
+def _primal_kinds(program) -> list[tuple]:
+    """(kind, fqn, input index) of every placeholder but the incoming gradients, in order."""
+    from .passes.capture import TANGENT
+
+    return [(info(p).kind, info(p).fqn, info(p).input_index) for p in program.placeholders
+            if info(p).kind != TANGENT]
+
+
+def _gradients_of(primal_kinds, by_role: dict) -> list:
+    """The gradient of every primal input from ``{("grad_param", fqn) | ("grad_input", i): value}``."""
+    return [by_role.get(("grad_param", fqn)) if kind == PARAM else
+            by_role.get(("grad_input", index)) if kind == INPUT else None
+            for kind, fqn, index in primal_kinds]
 
 
 def _examples(gm):
@@ -272,16 +277,7 @@ class _SimulatedTraining(torch.autograd.Function):
     def backward(ctx, *grads):
         _no_double_backward()
         _, by_role = _simulate_joint(ctx.prog, ctx.args, grads)
-        out = [None]
-        for p in ctx.prog.placeholders:
-            rec = info(p)
-            if rec.kind == PARAM:
-                out.append(by_role.get(("grad_param", rec.fqn)))
-            elif rec.kind == INPUT:
-                out.append(by_role.get(("grad_input", rec.input_index)))
-            elif rec.kind in (BUFFER, CONSTANT):
-                out.append(None)
-        return tuple(out)
+        return (None, *_gradients_of(_primal_kinds(ctx.prog), by_role))
 
 
 def _simulate_joint(prog, primal_values, grads):
