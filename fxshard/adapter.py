@@ -296,3 +296,31 @@ def partition_joint(joint, num_fwd_outputs: int):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     return min_cut_rematerialization_partition(joint, None, num_fwd_outputs=num_fwd_outputs)
+
+
+def flop_count(node) -> float:
+    """Floating-point operations of an ATen node (torch's flop formulas; attention on the CPU
+    kernels counted like the CUDA ones); 0 for ops without a formula (memory-bound ones)."""
+    import torch
+    from torch.utils.flop_counter import flop_registry
+
+    def val(a):
+        return a.meta.get("val") if hasattr(a, "meta") else a
+
+    args = torch.utils._pytree.tree_map(val, tuple(node.args))
+    kwargs = torch.utils._pytree.tree_map(val, dict(node.kwargs))
+    op = node.target
+    name = str(op)
+    if "_scaled_dot_product_flash_attention_for_cpu" in name or name.startswith("aten.scaled_dot_product_attention"):
+        backward = name.endswith("backward.default")
+        q, k = (args[1], args[2]) if backward else (args[0], args[1])
+        b, h, sq, d = q.shape
+        sk = k.shape[-2]
+        return float(4 * b * h * sq * sk * d * (2.5 if backward else 1.0))
+    fn = flop_registry.get(getattr(op, "overloadpacket", None))
+    if fn is None:
+        return 0.0
+    try:
+        return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that does not accept these arguments: count none
+        return 0.0

@@ -22,6 +22,7 @@ import torch.nn as nn
 from .cost import CostModel
 from .mesh import MeshSpec
 from .passes import annotate as _annotate
+from .passes.auto import AutoOptions, annotate_auto
 from .passes.capture import Captured, capture_joint, info
 from .passes.capture import capture as _capture
 from .passes.redistribute import insert_redistributes
@@ -52,8 +53,12 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan
 
 
 def annotate(captured: Captured, *, input_placements: Sequence | None = None,
-             output_placements: Sequence | None = None) -> Captured:
-    """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance."""
+             output_placements: Sequence | None = None, auto_options: AutoOptions | None = None) -> Captured:
+    """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance.
+
+    With ``plan="auto"`` (or a plan entry ``"*": "auto"``) every placement the plan does not fix is
+    chosen by one global solve (``fxshard.passes.auto``); ``auto_options`` sets its memory budget.
+    ``captured.auto`` then holds the solver's report."""
     mesh = captured.mesh
     for what, pls in (("input_placements", input_placements), ("output_placements", output_placements)):
         if pls is not None:
@@ -61,6 +66,16 @@ def annotate(captured: Captured, *, input_placements: Sequence | None = None,
                 if p is not None and len(tuple(p)) != mesh.ndim:
                     raise ValueError(f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
                                      f"{mesh.shape}; give one placement per mesh dim")
+    if captured.constraints.auto:
+        captured.warnings, captured.auto = annotate_auto(
+            captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
+            options=auto_options or AutoOptions(), input_placements=input_placements,
+            output_placements=output_placements, fuse=captured.fuse, blocks=captured.constraints.blocks,
+            training=captured.training, replicate_grads=getattr(captured, "replicate_grads", False))
+        captured.stage = "annotated"
+        return captured
+    if auto_options is not None:
+        raise ValueError("auto_options applies to plan='auto' (or a plan with a '*': 'auto' entry)")
     captured.warnings = _annotate.annotate(captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
                                            input_placements=input_placements, output_placements=output_placements,
                                            batch_size=getattr(captured, "batch_size", None),
@@ -159,11 +174,13 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
           input_placements: Sequence | None = None, output_placements: Sequence | None = None,
           tp_dim: int | str | None = None, training: bool = False, cost_model=None,
           passes: Sequence | None = None, fuse: bool = True,
-          bucket_bytes: int = 25 * 1024 * 1024) -> ShardedProgram:
+          bucket_bytes: int = 25 * 1024 * 1024, auto_options: AutoOptions | None = None) -> ShardedProgram:
     """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
 
     ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and applies
-    to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.  Plain callables
+    to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.  ``plan="auto"``
+    chooses every placement by a global solve (``auto_options``: memory budget and more); a plan
+    with an entry ``"*": "auto"`` fixes its other entries and solves for the rest.  Plain callables
     take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
     ``passes``: ``(stage, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
     points of the pipeline (see ``PASS_POINTS``).  ``fuse``: let the planner use one collective over
@@ -175,7 +192,7 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model, fuse=fuse,
                 training=training)
     c.bucket_bytes = bucket_bytes
-    annotate(c, input_placements=input_placements, output_placements=output_placements)
+    annotate(c, input_placements=input_placements, output_placements=output_placements, auto_options=auto_options)
     for fn in _passes_at(passes, "after_annotate"):
         fn(c.gm, c)
     redistribute(c)

@@ -26,6 +26,8 @@ from .mesh import MeshSpec
 
 BASE_LATENCY_US = 6.6  # torch's per-collective launch latency
 _GIB = float(1 << 30)
+FLOPS_PER_US = 4.0e8  # 400 TFLOP/s sustained
+HBM_BYTES_PER_US = 3.0e6  # 3 TB/s
 
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
@@ -41,6 +43,9 @@ class CostModel:
     mesh: MeshSpec
     base_latency_us: float = BASE_LATENCY_US
     alltoall_penalty_us: float = 0.0
+    # compute figures for plan="auto" (an H100-class accelerator: dense bf16 flops, HBM bandwidth)
+    flops_per_us: float = FLOPS_PER_US
+    hbm_bytes_per_us: float = HBM_BYTES_PER_US
 
     def group(self, mesh_dims: Sequence[int]) -> tuple[int, float, float]:
         """(ranks, per-hop latency, bandwidth) of the group spanning ``mesh_dims``.

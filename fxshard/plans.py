@@ -45,6 +45,8 @@ class PlanConstraints:
     boundaries: dict[str, tuple[object, str]] = field(default_factory=dict)  # tag -> (placement, provenance)
     input_hints: dict[str, object] = field(default_factory=dict)  # "<module>:in:<i>" -> input_layouts
     hooked: dict[str, tuple[int, int]] = field(default_factory=dict)  # module fqn -> (#inputs, #outputs) to mark
+    auto: bool = False  # plan="auto": every placement not fixed here is chosen by the global solver
+    blocks: list[list[str]] = field(default_factory=list)  # repeated layers (auto shares their decisions)
 
     def tags(self):
         return set(self.boundaries) | set(self.input_hints)
@@ -60,6 +62,9 @@ HF_STYLES = {
     "replicate": lambda: "replicate",
     "packed_colwise": lambda: "packed_colwise",
 }
+
+
+AUTO = "auto"  # plan="auto", or a plan entry {"*": "auto"} next to fixed entries: the solver picks the rest
 
 
 def plan_dim(mesh: MeshSpec, tp_dim: int | str | None) -> int:
@@ -86,6 +91,24 @@ def resolve_plan(plan: dict | None, model: nn.Module | None, mesh: MeshSpec, tp_
     """The constraints of ``plan`` on ``model``.  Without a plan: none, but the plan dim is still
     known where it can be (``tp_dim``, a 1-D mesh, a dim named ``tp``): inputs are then batch-sharded
     on the other (data-parallel) dims."""
+    if isinstance(plan, str):
+        if plan != AUTO:
+            raise ValueError(f"plan={plan!r}: a plan is a dict of module FQN -> ParallelStyle, or {AUTO!r}")
+        plan = {"*": AUTO}
+    if isinstance(plan, dict) and any(isinstance(s, str) and s == AUTO for s in plan.values()):
+        rest = {k: s for k, s in plan.items() if not (isinstance(s, str) and s == AUTO)}
+        out = resolve_plan(rest, model, mesh, tp_dim)
+        if rest and out.dim is None:
+            out.dim = plan_dim(mesh, tp_dim)
+        out.auto = True
+        from .passes.auto import repeated_blocks
+
+        out.blocks = repeated_blocks(model)
+        for group in out.blocks:
+            for fqn in group:  # mark every layer's inputs and output: its nodes are what lies between
+                a, b = out.hooked.get(fqn, (0, 0))
+                out.hooked[fqn] = (max(a, 16), max(b, 1))
+        return out
     if not plan:
         default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
         return PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)

@@ -102,6 +102,14 @@ class ShardedProgram:
                                       "backward" if n in backward else "forward"))
         return out
 
+    def modelled_cost(self) -> dict:
+        """Modelled µs per step under the cost model: ``comm_us`` (every redistribution's plan),
+        ``compute_us`` (every op on its local shards), ``total_us``; ``state_bytes``: parameters and
+        buffers per rank.  The objective ``plan="auto"`` minimises, for any program."""
+        from .passes.auto import modelled_cost
+
+        return modelled_cost(self.graph, self.cost_model)
+
     def explain(self, verbose: bool = False, format: str = "text") -> str:
         """The plan as a table (``format="json"`` / ``"html"`` for tools and browsers)."""
         from .report import explain

@@ -282,13 +282,7 @@ class Annotator:
                     best = (key, specs, out_specs)
         why = None
         if cands is None and _is_custom_op(node.target):
-            ns, name = node.target.name().split("::")
-            name = name.split(".")[0]
-            raise ValueError(
-                f"{node.target} at node {node.name}{_where(rec)} is a custom op with no sharding rule; register "
-                f"one, e.g. fxshard.register_rule(torch.ops.{ns}.{name}.default, [((Shard(0), ...), (Shard(0),))]) "
-                f"listing per-mesh-dim (input placements, output placements), or register an all-Replicate "
-                f"rule to compute it replicated")
+            raise custom_op_error(node, rec)
         if best is None:
             why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
             self.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
@@ -377,6 +371,16 @@ class Annotator:
                                        o.meta["val"]))
         rec.input_specs = tuple(specs)
         rec.provenance = "output_placements" if self.output_placements is not None else "outputs (reduced)"
+
+
+def custom_op_error(node, rec) -> ValueError:
+    ns, name = node.target.name().split("::")
+    name = name.split(".")[0]
+    return ValueError(
+        f"{node.target} at node {node.name}{_where(rec)} is a custom op with no sharding rule; register "
+        f"one, e.g. fxshard.register_rule(torch.ops.{ns}.{name}.default, [((Shard(0), ...), (Shard(0),))]) "
+        f"listing per-mesh-dim (input placements, output placements), or register an all-Replicate "
+        f"rule to compute it replicated")
 
 
 def _is_custom_op(op) -> bool:

@@ -69,6 +69,7 @@ class Captured:
     training: bool = False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
     replicate_grads: bool = False  # joint graphs: gradients handed back global, not placed like their values
     out_spec: object = None  # pytree spec of the model's outputs (None: a flat tuple or one value)
+    auto: object = None  # plan="auto": the solver's AutoReport
 
 
 class _FnModule(nn.Module):

@@ -47,19 +47,17 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
                 continue
             key = (arg, want.placements, want.levels)
             if key not in cache:
-                with gm.graph.inserting_before(node):
-                    r = gm.graph.call_function(redistribute, (arg,))
-                r.meta["val"] = arg.meta.get("val")
-                rr = info(r)
-                rr.kind = "redistribute"
-                rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
-                rr.spec = want
-                rr.input_specs = (have,)
-                rr.module = info(node).module
-                rr.source, rr.code = info(node).source, info(node).code
-                why = info(node).provenance
-                rr.provenance = f"planner: {node.name} needs {want}" + (f" ({why})" if why and why != "rule" else "")
-                cache[key] = r
+                src, src_spec = arg, have
+                hub = info(arg).extra.get("hub")  # plan="auto": the one placement this value is moved to
+                if hub is not None and not _same(hub, want) and not _same(hub, have) and \
+                        plan_between(hub, want, cost_model, even_only=True, fuse=fuse).cost < \
+                        plan_between(have, want, cost_model, even_only=True, fuse=fuse).cost:
+                    hkey = (arg, hub.placements, hub.levels)
+                    if hkey not in cache:
+                        cache[hkey] = _insert(gm, node, arg, have, hub, cost_model, fuse)
+                        count += 1
+                    src, src_spec = cache[hkey], hub
+                cache[key] = _insert(gm, node, src, src_spec, want, cost_model, fuse)
                 count += 1
             if node.op == "output":
                 _replace_output(node, arg, cache[key])
@@ -68,6 +66,22 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     gm.graph.lint()
     gm.recompile()
     return count
+
+
+def _insert(gm, node, arg, have, want, cost_model, fuse) -> fx.Node:
+    with gm.graph.inserting_before(node):
+        r = gm.graph.call_function(redistribute, (arg,))
+    r.meta["val"] = arg.meta.get("val")
+    rr = info(r)
+    rr.kind = "redistribute"
+    rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
+    rr.spec = want
+    rr.input_specs = (have,)
+    rr.module = info(node).module
+    rr.source, rr.code = info(node).source, info(node).code
+    why = info(node).provenance
+    rr.provenance = f"planner: {node.name} needs {want}" + (f" ({why})" if why and why != "rule" else "")
+    return r
 
 
 def _replace_output(out_node, old, new):

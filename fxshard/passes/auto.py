@@ -1,0 +1,1004 @@
+"""auto: choose every node's placement globally (``plan="auto"``), instead of one node at a time.
+
+The choice is a discrete energy minimisation.  Each decision (a variable) is a node's strategy:
+an op's (input placements, output placements) from its sharding rule, a parameter's or input's
+placements.  Its cost has two parts:
+
+* unary: modelled compute time of the strategy (flops and bytes of the local shards, on the cost
+  model's device figures), and the reduction a forward output needs before it is handed back;
+* pairwise, per data edge: the planner's cost of redistributing the producer's output placement to
+  the placement the consumer's strategy needs (a gradient output to its parameter's placement).
+
+Subject to a per-rank memory budget (parameters, their gradients and optimizer states when
+training, optionally saved activations) and to the user's fixed placements (a partial plan,
+``input_placements`` / ``output_placements``).
+
+Structure keeps it small and fast:
+
+1. Repeated layers (children of one container with the same type and parameter shapes) are
+   marked at capture; the nodes of every layer whose graph is identical to the first one's share
+   its variables (edges between layers become edges inside one layer, counted once per layer).
+2. Chains and trees are solved exactly by dynamic programming (min-sum variable elimination of
+   variables with at most two neighbours: a chain link becomes an edge between its neighbours).
+3. What is left (the cross edges: residual streams, attention's q/k/v fan-in, the backward's
+   reads of saved activations) is an integer program over the remaining variables, solved by HiGHS
+   (``highspy``) with the memory budget as one linear constraint.
+
+Deterministic: variables, states and ILP columns are built in graph order.  The modelled cost of
+any annotated program (auto or hand-written) comes from ``modelled_cost``, so plans compare on
+equal terms.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .. import strategies
+from ..adapter import Partial, Replicate, Shard, flop_count
+from ..cost import CostModel
+from ..mesh import MeshSpec
+from ..planner import plan_between
+from ..plans import PlanConstraints
+from ..spec import ShardingSpec, placements_str
+from .annotate import Annotator, _is_custom_op, _val, _where, custom_op_error, is_even, tensor_args
+from .capture import BOUNDARY, BUFFER, CONSTANT, GRAD_TAG, INPUT, PARAM, TANGENT, info
+
+log = logging.getLogger("fxshard")
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """Options of ``plan="auto"``.
+
+    ``memory_budget``: bytes per rank for parameters and buffers, plus (training) their gradients
+    and ``optimizer_states`` copies (Adam: 2), plus (``activations=True``, training) the forward
+    values the backward reads.  ``compute``: add modelled compute time to the objective (without
+    it, replicating everything costs nothing).  ``share_layers``: identical repeated layers take one
+    decision.  ``follow``: an op with one tensor input takes its input's placement as it is where its
+    rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
+    ``time_limit_s``: HiGHS's limit for the cross-edge integer program."""
+
+    memory_budget: float | None = None
+    optimizer_states: int = 2
+    activations: bool = False
+    compute: bool = True
+    share_layers: bool = True
+    follow: bool = True
+    time_limit_s: float = 60.0
+
+
+@dataclass
+class AutoReport:
+    """What the solver did (``captured.auto``): sizes and times, for the benchmark and explain."""
+
+    nodes: int = 0
+    variables: int = 0
+    shared_layers: int = 0
+    eliminated: int = 0
+    followed: int = 0
+    ilp_variables: int = 0
+    ilp_columns: int = 0
+    objective_us: float = 0.0
+    memory_bytes: float = 0.0
+    min_memory_bytes: float = 0.0
+    times: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        t = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.times.items())
+        return (f"auto: {self.nodes} nodes -> {self.variables} decisions ({self.shared_layers} layers shared, "
+                f"{self.followed} ops follow their input), "
+                f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.ilp_columns} columns); "
+                f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per rank; {t}")
+
+
+class AutoInfeasible(ValueError):
+    """The memory budget (or a fixed placement) admits no plan."""
+
+
+# ---- cost of one strategy ---------------------------------------------------------------------------
+
+def local_bytes(spec: ShardingSpec) -> float:
+    return spec.nbytes / spec.num_shards
+
+
+def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm) -> float:
+    """Modelled µs of ``node`` under a strategy: its flops split over the mesh dims that shard an
+    input (a contraction split over ranks leaves Partial outputs), plus the local bytes it reads and
+    writes (Partial values are full size)."""
+    fl = node.meta.get("fxshard_flops")
+    if fl is None:
+        fl = node.meta["fxshard_flops"] = flop_count(node)
+    flops_us, bytes_us = getattr(cm, "flops_per_us", None), getattr(cm, "hbm_bytes_per_us", None)
+    if not flops_us or not bytes_us:
+        return 0.0
+    split = 1
+    mesh = None
+    for s in in_specs:
+        if isinstance(s, ShardingSpec):
+            mesh = s.mesh
+            break
+    if mesh is not None:
+        for m in range(mesh.ndim):
+            if any(isinstance(s, ShardingSpec) and isinstance(s.placements[m], Shard) for s in in_specs):
+                split *= mesh.shape[m]
+    moved = sum(local_bytes(s) for s in (*in_specs, *out_specs) if isinstance(s, ShardingSpec))
+    return fl / split / flops_us + moved / bytes_us
+
+
+def _reduced(ann, spec: ShardingSpec, val) -> ShardingSpec:
+    return ann.spec([Replicate() if isinstance(p, Partial) else p for p in spec.placements], val, spec.shard_order)
+
+
+# ---- repeated layers ----------------------------------------------------------------------------------
+
+def repeated_blocks(model: torch.nn.Module | None) -> list[list[str]]:
+    """Groups of sibling modules (``layers.0``, ``layers.1``...) with one type and parameter shapes."""
+    if model is None:
+        return []
+    out = []
+    for fqn, mod in model.named_modules():
+        groups: dict = {}
+        for name, child in mod.named_children():
+            if not name.isdigit():
+                continue
+            key = (type(child), tuple((n, tuple(p.shape), p.dtype) for n, p in child.named_parameters()))
+            groups.setdefault(key, []).append(f"{fqn}.{name}" if fqn else name)
+        out += [g for g in groups.values() if len(g) > 1]
+    inner = {f for g in out for f in g}
+    # a block inside another repeated block is shared through the outer one
+    return [g for g in out if not any(f.startswith(o + ".") for f in g for o in inner if o != f)]
+
+
+def _layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, list[list[fx.Node]]]:
+    """{first block fqn: [nodes of each instance in graph order]} from the capture's block markers
+    (forward nodes between a block's input and output boundaries), backward nodes by their forward
+    op (AOT's ``seq_nr``), parameters by FQN prefix."""
+    owner = {f: g[0] for g in blocks for f in g}
+    inst_of: dict[fx.Node, str] = {}
+    current = None
+    seq_owner: dict[int, str] = {}
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if n.op == "placeholder":
+            if rec.fqn and rec.kind in (PARAM, BUFFER, CONSTANT):
+                for f in owner:
+                    if rec.fqn.startswith(f + "."):
+                        inst_of[n] = f
+            continue
+        if n.op != "call_function" or n.meta.get("partitioner_tag") == "is_backward":
+            continue
+        if rec.kind == "boundary":
+            tag = n.args[1]
+            mod, _, rest = tag.partition(":")
+            if mod in owner:
+                if rest.startswith("in:") and current is None:
+                    current = mod
+                if current == mod:
+                    inst_of[n] = mod
+                    if rest.startswith("out:"):
+                        current = None
+                    continue
+        if current is not None:
+            inst_of[n] = current
+            if "seq_nr" in n.meta:
+                seq_owner.setdefault(n.meta["seq_nr"], current)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward":
+            continue
+        f = seq_owner.get(n.meta.get("seq_nr"))  # gradient accumulations stay outside: their number varies
+        if f is not None:
+            inst_of[n] = f
+    out: dict[str, list[list[fx.Node]]] = {}
+    for g in blocks:
+        per = {f: [] for f in g}
+        for n in gm.graph.nodes:
+            f = inst_of.get(n)
+            if f in per:
+                per[f].append(n)
+        for f in g:  # parameters first, by their name inside the layer
+            per[f].sort(key=lambda n, f=f: (0, info(n).fqn[len(f):]) if n.op == "placeholder" else (1, 0))
+        out[g[0]] = [per[f] for f in g]
+    return out
+
+
+def _signature(nodes: list[fx.Node], prefix: str) -> list:
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            if a in pos:
+                return ("in", pos[a])
+            v = a.meta.get("val")
+            return ("out", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("out",)
+        if isinstance(a, str):
+            if a.startswith(prefix + ":"):
+                return a[len(prefix):]
+            if a.startswith(GRAD_TAG):
+                return GRAD_TAG
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+
+    sig = []
+    for n in nodes:
+        v = n.meta.get("val")
+        shape = tuple((tuple(x.shape), x.dtype) for x in tree_flatten(v)[0] if isinstance(x, torch.Tensor))
+        leaves, spec = tree_flatten((tuple(n.args), dict(n.kwargs)))
+        rec = info(n)
+        sig.append((n.op, str(n.target) if n.op == "call_function" else None, rec.kind,
+                    rec.fqn[len(prefix):] if rec.fqn else None, shape,
+                    str(spec), tuple(arg(a) for a in leaves)))
+    return sig
+
+
+# ---- the solver -----------------------------------------------------------------------------------------
+
+class _Var:
+    __slots__ = ("node", "states", "unary", "memory", "fixed", "nodes", "derived")
+
+    def __init__(self, node, states):
+        self.node = node
+        self.states = states  # [(input spec ids, output spec ids)]
+        self.unary = torch.zeros(len(states), dtype=torch.float64)
+        self.memory = None
+        self.fixed = False  # a single state given by the user
+        self.nodes = [node]  # every node taking this decision
+        self.derived = None  # (root variable, this var's state per root state): it follows its input
+
+
+class AutoPlanner:
+    def __init__(self, gm, mesh: MeshSpec, cm: CostModel, cons: PlanConstraints, options: AutoOptions,
+                 input_placements=None, output_placements=None, fuse=True, blocks=(), training=False,
+                 replicate_grads=False):
+        self.gm, self.mesh, self.cm, self.cons, self.opt = gm, mesh, cm, cons, options
+        self.fuse = fuse
+        self.training = training
+        self.blocks = list(blocks)
+        self.ann = Annotator(mesh, cm, cons, input_placements, output_placements, fuse)
+        self.ann.replicate_grads = replicate_grads
+        self.input_placements, self.output_placements = input_placements, output_placements
+        self.specs: list[ShardingSpec] = []
+        self.spec_id: dict = {}
+        self._cost: dict = {}
+        self.vars: list[_Var] = []
+        self.var_of: dict[fx.Node, int] = {}
+        self.factors: dict[tuple[int, int], torch.Tensor] = {}
+        self.report = AutoReport(nodes=len(gm.graph.nodes))
+        self.warnings = self.ann.warnings
+
+    # ---- specs and costs ----
+    def sid(self, spec: ShardingSpec) -> int:
+        i = self.spec_id.get(spec)
+        if i is None:
+            i = self.spec_id[spec] = len(self.specs)
+            self.specs.append(spec)
+        return i
+
+    def cost(self, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        c = self._cost.get((a, b))
+        if c is None:
+            sa, sb = self.specs[a], self.specs[b]
+            if sa.levels == sb.levels and sa.placements == sb.placements:
+                c = 0.0
+            else:
+                try:
+                    c = plan_between(sa, sb, self.cm, even_only=True, fuse=self.fuse).cost
+                except (ValueError, NotImplementedError):
+                    c = INF
+            self._cost[(a, b)] = c
+        return c
+
+    def _placement_options(self, val, fixed_dim=None, fixed=None) -> list[ShardingSpec]:
+        """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order."""
+        import itertools
+        per_dim = []
+        for m in range(self.mesh.ndim):
+            if m == fixed_dim:
+                per_dim.append([fixed])
+            else:
+                per_dim.append([Replicate()] + [Shard(d) for d in range(val.ndim)])
+        out = []
+        for plc in itertools.product(*per_dim):
+            try:
+                s = self.ann.spec(plc, val)
+            except ValueError:
+                continue
+            if is_even(s):
+                out.append(s)
+        return out
+
+    # ---- variables ----
+    def _new_var(self, node, states) -> int:
+        v = _Var(node, states)
+        self.vars.append(v)
+        self.var_of[node] = len(self.vars) - 1
+        return len(self.vars) - 1
+
+    def producer(self, a: fx.Node) -> tuple[fx.Node, int]:
+        """(node whose variable decides ``a``'s placement, output index): through getitem and
+        transparent boundaries."""
+        idx = 0
+        while a not in self.var_of:
+            if a.op == "call_function" and a.target is operator.getitem:
+                a, idx = a.args[0], a.args[1]
+            elif a in self.transparent:
+                a = a.args[0]
+            else:
+                raise AssertionError(f"fxshard auto: no decision for {a.name}")
+        return a, idx
+
+    def resolve(self, a: fx.Node) -> tuple[int, tuple]:
+        """(deciding variable, ``a``'s placement (spec id) per state of that variable)."""
+        p, idx = self.producer(a)
+        v = self.var_of[p]
+        var = self.vars[v]
+        if var.derived is not None:
+            u, maps = var.derived
+            return u, tuple(var.states[m][1][idx] for m in maps)
+        return v, tuple(st[1][idx] for st in var.states)
+
+    def _follow(self, v: int, comp: dict):
+        """Make ``v`` follow its only tensor input where it can: for every placement the input may
+        have, a strategy that takes it as it is (no redistribution into the op; Alpa's "follow").
+        Most ops (views, elementwise with constants, activations) then cost no decision at all."""
+        if v in self._followed:
+            return
+        self._followed.add(v)
+        var = self.vars[v]
+        n = var.node
+        if n is None or n.op != "call_function" or info(n).kind == "boundary" or len(var.states) < 2:
+            return
+        firsts = []
+        for x in var.nodes:
+            ta = tensor_args(x)
+            if len(ta) != 1:
+                return
+            firsts.append(ta[0])
+        self._follow(self.var_of[self.producer(firsts[0])[0]], comp)
+        u, ids = self.resolve(firsts[0])
+        if any(self.resolve(a) != (u, ids) for a in firsts[1:]) or u == v:
+            return
+        cost = comp.get(v)
+        by_in: dict[int, int] = {}
+        for i, st in enumerate(var.states):
+            j = by_in.get(st[0][0])
+            if j is None or (cost is not None and float(cost[i]) < float(cost[j])):
+                by_in[st[0][0]] = i
+        maps = []
+        for o in ids:
+            if o not in by_in:
+                return
+            maps.append(by_in[o])
+        var.derived = (u, maps)
+
+    def _placeholder_states(self, node) -> list:
+        rec, val = info(node), node.meta["val"]
+        if rec.kind in (PARAM, BUFFER, CONSTANT):
+            want = self.cons.params.get(rec.fqn)
+            if want is not None:
+                from .annotate import _normalize
+                opts = self._placement_options(val, self.cons.dim, _normalize(want[0], val.ndim))
+                if not opts:
+                    raise AutoInfeasible(f"{want[1]} asks for {want[0]} on {rec.fqn} of shape {tuple(val.shape)}, "
+                                         f"which mesh {self.mesh.shape} does not divide evenly")
+            else:
+                opts = self._placement_options(val)
+            return opts
+        if rec.kind == TANGENT:
+            i = rec.input_index
+            given = self.output_placements[i] if self.output_placements is not None and \
+                i < len(self.output_placements) else None
+            return [self.ann.spec(given if given is not None else [Replicate()] * self.mesh.ndim, val)]
+        i = rec.input_index
+        if self.input_placements is not None:
+            if i >= len(self.input_placements):
+                raise ValueError(f"input_placements has {len(self.input_placements)} entries, but the program "
+                                 f"takes input {i} ({node.name})")
+            return [self.ann.spec(self.input_placements[i], val, what=f"input_placements[{i}]")]
+        return self._placement_options(val)
+
+    def _op_states(self, node) -> list:
+        rec = info(node)
+        targs = tensor_args(node)
+        cur = [self.ann.spec([Replicate()] * self.mesh.ndim, _val(a)) for a in targs]
+        out_val = node.meta.get("val")
+        outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
+        cands = self.ann.candidates(node, cur)
+        states, seen = [], set()
+        rep_out = tuple(self.ann.spec([Replicate()] * self.mesh.ndim, v) if isinstance(v, torch.Tensor) else None
+                        for v in outs)
+        if cands == "factory":
+            return [(tuple(cur), rep_out)], "factory: replicated"
+        for ins, o in cands or ():
+            try:
+                specs = self.ann._specs_for(ins, targs, cur)
+                out_specs = tuple(self.ann.spec(p, v) if p is not None and isinstance(v, torch.Tensor) else None
+                                  for p, v in zip(o, outs))
+            except ValueError:
+                continue
+            if specs is None or len(out_specs) != len(outs) or not all(s is None or is_even(s) for s in out_specs):
+                continue
+            key = (specs, out_specs)
+            if key not in seen:
+                seen.add(key)
+                states.append(key)
+        if cands is None and _is_custom_op(node.target):
+            raise custom_op_error(node, rec)
+        if not states:
+            why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
+            self.ann.warn(f"{node.target} at node {node.name}{_where(rec)} {why}; computing it replicated")
+            return [(tuple(cur), rep_out)], "fallback: replicated (no rule)"
+        return states, "auto"
+
+    def build(self):
+        t0 = time.perf_counter()
+        gm = self.gm
+        # which nodes share a decision
+        share: dict[fx.Node, fx.Node] = {}
+        if self.opt.share_layers and self.blocks:
+            for prefix, insts in _layer_instances(gm, self.blocks).items():
+                base = _signature(insts[0], prefix)
+                members = [f for g in self.blocks if g[0] == prefix for f in g]
+                for k, nodes in enumerate(insts[1:], 1):
+                    if _signature(nodes, members[k]) == base:
+                        share.update(zip(nodes, insts[0]))
+                        self.report.shared_layers += 1
+        self.provenance: dict[int, str] = {}
+        transparent, shared = set(), []
+        self._order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for n in gm.graph.nodes:
+            rec = info(n)
+            if n.op == "output" or (n.op == "call_function" and n.target is operator.getitem):
+                continue
+            if rec.kind == "boundary":
+                tag = rec.extra.get("tag", n.args[1])
+                want = None if tag.startswith(GRAD_TAG) else self.cons.boundaries.get(tag)
+                if want is None or want[0] is None:
+                    transparent.add(n)
+                    continue
+            if n in share:
+                shared.append(n)
+                continue
+            if n.op == "placeholder":
+                specs = self._placeholder_states(n)
+                states = [((), (self.sid(s),)) for s in specs]
+                v = self._new_var(n, states)
+                self.vars[v].fixed = len(states) == 1
+                self.provenance[v] = "auto" if len(states) > 1 else "fixed"
+            elif rec.kind == "boundary":
+                tag = rec.extra.get("tag", n.args[1])
+                want = self.cons.boundaries[tag]
+                opts = self._placement_options(n.meta["val"], self.cons.dim, want[0])
+                if not opts:
+                    raise AutoInfeasible(f"{want[1]} asks for {want[0]} at {tag}, which does not divide shape "
+                                         f"{tuple(n.meta['val'].shape)} evenly on mesh {self.mesh.shape}")
+                v = self._new_var(n, [((self.sid(s),), (self.sid(s),)) for s in opts])
+                self.provenance[v] = f"{want[1]} ({tag.split(':', 1)[1]}) + auto"
+                rec.module = tag.split(":")[0]
+            else:
+                raw, prov = self._op_states(n)
+                states = [(tuple(self.sid(s) for s in ins), tuple(-1 if s is None else self.sid(s) for s in outs))
+                          for ins, outs in raw]
+                v = self._new_var(n, states)
+                self.provenance[v] = prov
+        self.share = share
+        for n in shared:  # later layers (and their backward, which runs first) take the first layer's
+            v = self.var_of[share[n]]
+            self.var_of[n] = v
+            self.vars[v].nodes.append(n)
+        self.transparent = transparent
+        t1 = time.perf_counter()
+        comp = {}
+        for var in self.vars:
+            n = var.node
+            if self.opt.compute and n.op == "call_function" and info(n).kind != "boundary":
+                comp[n] = torch.tensor([compute_us(n, [self.specs[i] for i in ins],
+                                                   [self.specs[i] for i in outs if i >= 0], self.cm)
+                                        for ins, outs in var.states], dtype=torch.float64)
+        self._followed: set[int] = set()
+        if self.opt.follow:
+            by_pos = sorted(range(len(self.vars)), key=lambda i: self._order[self.vars[i].node])
+            cv = {self.var_of[n]: c for n, c in comp.items()}
+            for v in by_pos:
+                self._follow(v, cv)
+        self.report.followed = sum(v.derived is not None for v in self.vars)
+        self.report.variables = len(self.vars) - self.report.followed
+        self._costs(comp)
+        self.report.times["build"] = t1 - t0
+        self.report.times["costs"] = time.perf_counter() - t1
+
+    def _add_pair(self, u: int, v: int, table: torch.Tensor):
+        if u == v:
+            self.vars[u].unary += table.diagonal()
+            return
+        if u > v:
+            u, v, table = v, u, table.T
+        f = self.factors.get((u, v))
+        self.factors[(u, v)] = table.clone() if f is None else f + table
+
+    def _table(self, out_ids: list[int], in_ids: list[int]) -> torch.Tensor:
+        uo = sorted(set(out_ids))
+        ui = sorted(set(in_ids))
+        m = torch.tensor([[self.cost(a, b) for b in ui] for a in uo], dtype=torch.float64)
+        ro = torch.tensor([uo.index(a) for a in out_ids])
+        ri = torch.tensor([ui.index(b) for b in in_ids])
+        return m[ro][:, ri]
+
+    def _costs(self, comp):
+        gm = self.gm
+        edges: dict[tuple, int] = {}  # (u, idx, v, j) -> count
+        unary_edges: dict[tuple, int] = {}  # (u, idx, required spec id) -> count
+        grad_edges: dict[tuple, int] = {}  # (u, idx, param var) -> count
+        placeholders = {}
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                r = info(n)
+                if r.kind in (PARAM, BUFFER):
+                    placeholders[("grad_param", r.fqn)] = n
+                elif r.kind == INPUT:
+                    placeholders[("grad_input", r.input_index)] = n
+        saved = set()
+        uses: dict[fx.Node, list] = {}  # immediate argument -> its (edge key, actual node) uses
+        hub_edges: dict[tuple, int] = {}
+        self.hub_nodes: dict[int, list[fx.Node]] = {}
+        self._output_roles, self._fixed_grads = [], []
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" or n in self.transparent or n.target is operator.getitem:
+                continue
+            if n.op == "output":
+                self._output_edges(n, unary_edges, grad_edges, placeholders)
+                continue
+            v = self.var_of[n]
+            targs = [n.args[0]] if info(n).kind == "boundary" else tensor_args(n)
+            for j, a in enumerate(targs):
+                p, _ = self.producer(a)
+                if self.opt.activations and self.training and \
+                        n.meta.get("partitioner_tag") == "is_backward" and \
+                        p.meta.get("partitioner_tag") == "is_forward" and p.op != "placeholder":
+                    saved.add(a)
+                if self.vars[v].derived is not None:
+                    continue  # takes its input as it is
+                u, ids = self.resolve(a)
+                key = (u, ids, v, j)
+                edges[key] = edges.get(key, 0) + 1
+                uses.setdefault((self.share.get(a, a), u, ids), []).append((key, a))
+        for var in self.vars:  # identical nodes sharing a decision cost alike
+            if var.node.op == "call_function" and var.node in comp:
+                c = len(var.nodes) * comp[var.node]
+                if var.derived is None:
+                    var.unary += c
+                else:
+                    u, maps = var.derived
+                    self.vars[u].unary += c[maps]
+        # A value read by several consumers is redistributed once per placement wanted (the
+        # redistribute pass shares one node per (value, placement)): such a value gets a hub variable,
+        # "the placement it is redistributed to", costed once, from which each consumer's placement
+        # follows (free when it is a local chunk of the hub's, as from Replicate).
+        for (_, u, ids), lst in uses.items():
+            if len(lst) < 2:
+                continue
+            want = sorted({st[0][e[3]] for e, _ in lst for st in self.vars[e[2]].states} |
+                          set(i for i in ids if i >= 0))
+            h = len(self.vars)
+            self.vars.append(_Var(None, [((i,), (i,)) for i in want]))
+            self.vars[h].nodes = []
+            self.hub_nodes[h] = sorted({x for _, x in lst}, key=lambda x: x.name)
+            copies = len(self.hub_nodes[h])  # one redistribution per layer the value lives in
+            self._add_pair(u, h, self._table(list(ids), want) * copies)
+            for e, _ in lst:
+                edges[e] -= 1
+                hub_edges[(h, e[2], e[3])] = hub_edges.get((h, e[2], e[3]), 0) + 1
+        for (h, v, j), k in hub_edges.items():
+            t = self._table([st[1][0] for st in self.vars[h].states], [st[0][j] for st in self.vars[v].states])
+            self._add_pair(h, v, t * k)
+        for (u, ids, v, j), k in edges.items():
+            if k == 0:
+                continue
+            t = self._table(list(ids), [st[0][j] for st in self.vars[v].states])
+            self._add_pair(u, v, t * k)
+        for (u, ids, want), k in unary_edges.items():
+            if want is None:  # hand back usable values: pending reductions finished
+                val = self.specs[ids[0]]
+                self.vars[u].unary += k * torch.tensor(
+                    [self.cost(i, self.sid(_reduced(self.ann, self.specs[i], _fake(val)))) for i in ids],
+                    dtype=torch.float64)
+            else:
+                self.vars[u].unary += k * torch.tensor([self.cost(i, want) for i in ids], dtype=torch.float64)
+        for (u, ids, pv), k in grad_edges.items():
+            t = self._table(list(ids), [st[1][0] for st in self.vars[pv].states])
+            self._add_pair(u, pv, t * k)
+        # memory: parameters (+ gradients and optimizer states), buffers, saved activations
+        trained = {pv for (_, _, pv) in grad_edges} | {self.var_of[placeholders[r]] for r in self._fixed_grads}
+        for n in gm.graph.nodes:
+            if n.op != "placeholder" or info(n).kind not in (PARAM, BUFFER, CONSTANT):
+                continue
+            v = self.var_of[n]
+            var = self.vars[v]
+            f = 2 + self.opt.optimizer_states if v in trained else 1  # + gradient + optimizer states
+            self._add_memory(var, [f * local_bytes(self.specs[st[1][0]]) for st in var.states])
+        for a in sorted(saved, key=lambda x: x.name):
+            u, ids = self.resolve(a)
+            self._add_memory(self.vars[u], [local_bytes(self.specs[i]) if i >= 0 else 0.0 for i in ids])
+
+    def _add_memory(self, var: _Var, mem: list[float]):
+        t = torch.tensor(mem, dtype=torch.float64)
+        var.memory = t if var.memory is None else var.memory + t
+
+    def _output_edges(self, n, unary_edges, grad_edges, placeholders):
+        rec = info(n)
+        outs = n.args[0]
+        flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        joint = bool(rec.extra.get("outputs"))
+        roles = rec.extra.get("outputs") or [("output", i) for i in range(len(flat))]
+        self._output_roles = []
+        self._fixed_grads = []  # gradients handed back replicated: their parameters still train
+        for i, o in enumerate(flat):
+            role = tuple(roles[i]) if i < len(roles) else ("output", i)
+            if not isinstance(o, fx.Node):
+                self._output_roles.append(None)
+                continue
+            u, idx = self.resolve(o)  # idx: the output's spec id per state of u
+            val = o.meta["val"]
+            if role[0] != "output":
+                if self.ann.replicate_grads or role not in placeholders:
+                    if role in placeholders and role[0] == "grad_param":
+                        self._fixed_grads.append(role)
+                    want = self.sid(self.ann.spec([Replicate()] * self.mesh.ndim, val))
+                    unary_edges[(u, idx, want)] = unary_edges.get((u, idx, want), 0) + 1
+                    self._output_roles.append(("fixed", want))
+                else:
+                    pv = self.var_of[placeholders[role]]
+                    grad_edges[(u, idx, pv)] = grad_edges.get((u, idx, pv), 0) + 1
+                    self._output_roles.append(("like", pv))
+                continue
+            k = role[1]
+            given = self.output_placements[k] if self.output_placements is not None and \
+                k < len(self.output_placements) else None
+            if given is not None or joint:
+                pl = given if given is not None else [Replicate()] * self.mesh.ndim
+                want = self.sid(self.ann.spec(pl, val, what=f"output_placements[{k}]"))
+                unary_edges[(u, idx, want)] = unary_edges.get((u, idx, want), 0) + 1
+                self._output_roles.append(("fixed", want))
+            else:
+                unary_edges[(u, idx, None)] = unary_edges.get((u, idx, None), 0) + 1
+                self._output_roles.append(("reduced", (u, idx)))
+
+    # ---- solve ----
+    def solve(self) -> list[int]:
+        t0 = time.perf_counter()
+        budget = self.opt.memory_budget
+        self._check_budget(budget)
+        nv = len(self.vars)
+        unary = [v.unary.clone() for v in self.vars]
+        factors = {k: t.clone() for k, t in self.factors.items()}
+        nbrs: list[dict[int, tuple]] = [dict() for _ in range(nv)]
+        for (u, v) in factors:
+            nbrs[u][v] = (u, v)
+            nbrs[v][u] = (u, v)
+        protected = {i for i, v in enumerate(self.vars) if budget is not None and v.memory is not None}
+
+        def table(a, b):  # factor oriented (a states) x (b states)
+            t = factors[nbrs[a][b]]
+            return t if nbrs[a][b][0] == a else t.T
+
+        eliminated = []  # (var, kind, data) in order
+        alive = [True] * nv
+        queue = sorted(i for i in range(nv) if len(nbrs[i]) <= 2 and i not in protected)
+        import heapq
+        heapq.heapify(queue)
+        while queue:
+            v = heapq.heappop(queue)
+            if not alive[v] or len(nbrs[v]) > 2 or v in protected:
+                continue
+            ns = sorted(nbrs[v])
+            if not ns:
+                eliminated.append((v, 0, None))
+            elif len(ns) == 1:
+                (u,) = ns
+                m = table(u, v) + unary[v][None, :]
+                best, arg = m.min(dim=1)
+                unary[u] = unary[u] + best
+                del factors[nbrs[u][v]], nbrs[u][v]
+                eliminated.append((v, 1, (u, arg)))
+                if len(nbrs[u]) <= 2 and u not in protected:
+                    heapq.heappush(queue, u)
+            else:
+                u, w = ns
+                m = table(u, v)[:, :, None] + unary[v][None, :, None] + table(v, w)[None, :, :]
+                best, arg = m.min(dim=1)
+                del factors[nbrs[u][v]], factors[nbrs[v][w]], nbrs[u][v], nbrs[w][v]
+                if w in nbrs[u]:
+                    k = nbrs[u][w]
+                    factors[k] = factors[k] + (best if k[0] == u else best.T)
+                else:
+                    k = (u, w) if u < w else (w, u)
+                    factors[k] = best if k[0] == u else best.T
+                    nbrs[u][w] = nbrs[w][u] = k
+                eliminated.append((v, 2, (u, w, arg)))
+                for x in (u, w):
+                    if len(nbrs[x]) <= 2 and x not in protected:
+                        heapq.heappush(queue, x)
+            alive[v] = False
+            nbrs[v] = {}
+        self.report.eliminated = len(eliminated) - self.report.followed
+        t1 = time.perf_counter()
+        core = [i for i in range(nv) if alive[i]]
+        choice = [-1] * nv
+        if core:
+            self._ilp(core, unary, factors, choice, budget)
+        t2 = time.perf_counter()
+        for v, kind, data in reversed(eliminated):
+            if kind == 0:
+                choice[v] = int(unary[v].argmin())
+            elif kind == 1:
+                u, arg = data
+                choice[v] = int(arg[choice[u]])
+            else:
+                u, w, arg = data
+                choice[v] = int(arg[choice[u], choice[w]])
+        self.report.times["dp"] = (t1 - t0) + (time.perf_counter() - t2)
+        self.report.times["ilp"] = t2 - t1
+        self.choice = choice
+        self.report.objective_us = self.objective(choice)
+        self.report.memory_bytes = sum(float(v.memory[choice[i]]) for i, v in enumerate(self.vars)
+                                       if v.memory is not None)
+        if not math.isfinite(self.report.objective_us):
+            raise AutoInfeasible("plan='auto' found no plan with finite cost: a fixed placement cannot be reached "
+                                 "by any redistribution (see the warnings)")
+        return choice
+
+    def objective(self, choice) -> float:
+        total = sum(float(v.unary[choice[i]]) for i, v in enumerate(self.vars))
+        for (u, v), t in self.factors.items():
+            total += float(t[choice[u], choice[v]])
+        return total
+
+    def _check_budget(self, budget):
+        mins = [float(v.memory.min()) for v in self.vars if v.memory is not None]
+        self.report.min_memory_bytes = sum(mins)
+        if budget is None:
+            return
+        if self.report.min_memory_bytes > budget:
+            what = "parameters + gradients + optimizer states" if self.training else "parameters and buffers"
+            if self.opt.activations and self.training:
+                what += " + saved activations"
+            raise AutoInfeasible(
+                f"memory_budget {_size(budget)} per rank is too small: the {what} need at least "
+                f"{_size(self.report.min_memory_bytes)} per rank even when sharded as far as mesh "
+                f"{self.mesh.shape} and the fixed placements allow ({_size(self.report.min_memory_bytes - budget)} "
+                f"over); raise the budget or use a larger mesh")
+
+    def _ilp(self, core, unary, factors, choice, budget):
+        import highspy
+        import numpy as np
+
+        col_of = {}
+        costs, ub = [], []
+        for v in core:
+            col_of[v] = len(costs)
+            u = unary[v]
+            for s in range(len(u)):
+                c = float(u[s])
+                costs.append(c if math.isfinite(c) else 0.0)
+                ub.append(1.0 if math.isfinite(c) else 0.0)
+        nx = len(costs)
+        rows_lo, rows_hi, rows = [], [], []  # rows as (cols, vals)
+        for v in core:
+            n = len(unary[v])
+            rows.append((list(range(col_of[v], col_of[v] + n)), [1.0] * n))
+            rows_lo.append(1.0)
+            rows_hi.append(1.0)
+        for (u, v), t in sorted(factors.items()):
+            # states with identical rows / columns act alike on this edge: one marginal per class
+            rk, rinv = torch.unique(t, dim=0, return_inverse=True)
+            ck, cinv = torch.unique(rk, dim=1, return_inverse=True)
+            base = len(costs)
+            nr, nc = ck.shape
+            for i in range(nr):
+                for j in range(nc):
+                    c = float(ck[i, j])
+                    costs.append(c if math.isfinite(c) else 0.0)
+                    ub.append(1.0 if math.isfinite(c) else 0.0)
+            for i in range(nr):  # sum_j y[i, j] = sum of x[u, a] over the row class i
+                cols = [base + i * nc + j for j in range(nc)] + \
+                    [col_of[u] + a for a in range(t.shape[0]) if int(rinv[a]) == i]
+                rows.append((cols, [1.0] * nc + [-1.0] * (len(cols) - nc)))
+                rows_lo.append(0.0)
+                rows_hi.append(0.0)
+            for j in range(nc):
+                cols = [base + i * nc + j for i in range(nr)] + \
+                    [col_of[v] + b for b in range(t.shape[1]) if int(cinv[b]) == j]
+                rows.append((cols, [1.0] * nr + [-1.0] * (len(cols) - nr)))
+                rows_lo.append(0.0)
+                rows_hi.append(0.0)
+        if budget is not None:
+            cols, vals = [], []
+            for v in core:
+                if self.vars[v].memory is not None:
+                    for s, m in enumerate(self.vars[v].memory.tolist()):
+                        cols.append(col_of[v] + s)
+                        vals.append(m)
+            rows.append((cols, vals))
+            rows_lo.append(-highspy.kHighsInf)
+            rows_hi.append(float(budget))
+        h = highspy._Highs()  # the core class: Highs() prints a banner to stdout when constructed
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("random_seed", 0)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("time_limit", float(self.opt.time_limit_s))
+        h.setOptionValue("mip_rel_gap", 1e-6)
+        n = len(costs)
+        h.addCols(n, np.array(costs), np.zeros(n), np.array(ub), 0, np.array([], dtype=np.int32),
+                  np.array([], dtype=np.int32), np.array([]))
+        starts, idx, vals = [], [], []
+        for cols, vs in rows:
+            starts.append(len(idx))
+            idx += cols
+            vals += vs
+        h.addRows(len(rows), np.array(rows_lo), np.array(rows_hi), len(idx), np.array(starts, dtype=np.int32),
+                  np.array(idx, dtype=np.int32), np.array(vals, dtype=np.float64))
+        h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
+                                np.array([highspy.HighsVarType.kInteger] * nx))
+        h.run()
+        status = h.getModelStatus()
+        self.report.ilp_variables = len(core)
+        self.report.ilp_columns = n
+        if status == highspy.HighsModelStatus.kInfeasible:
+            raise AutoInfeasible(
+                f"plan='auto': no plan meets memory_budget {_size(budget)} per rank together with the fixed "
+                f"placements (sharding each parameter as far as it goes needs {_size(self.report.min_memory_bytes)},"
+                f" but the fixed placements and sharding rules rule out reaching it everywhere)"
+                if budget is not None else "plan='auto': the fixed placements admit no plan")
+        sol = h.getSolution().col_value
+        if status != highspy.HighsModelStatus.kOptimal:
+            if not sol or h.getInfo().mip_gap == highspy.kHighsInf:
+                raise RuntimeError(f"plan='auto': HiGHS stopped with {status} before finding a plan")
+            log.warning("fxshard auto: HiGHS stopped with %s (gap %.3g); using its best plan", status,
+                        h.getInfo().mip_gap)
+        for v in core:
+            n = len(unary[v])
+            xs = sol[col_of[v]:col_of[v] + n]
+            choice[v] = max(range(n), key=lambda s: xs[s])
+
+    # ---- write back ----
+    def conditional(self, v: int, choice) -> torch.Tensor:
+        c = self.vars[v].unary.clone()
+        for (a, b), t in self.factors.items():
+            if a == v:
+                c += t[:, choice[b]]
+            elif b == v:
+                c += t[choice[a], :]
+        return c
+
+    def apply(self, choice):
+        by_node = {}
+        choice = list(choice)
+        for i, var in enumerate(self.vars):  # followers take their root's choice (roots are never followers)
+            if var.derived is not None:
+                u, maps = var.derived
+                choice[i] = maps[choice[u]]
+        for i, var in enumerate(self.vars):
+            if var.node is None:  # a hub: the redistribute pass routes consumers through it where cheaper
+                hub = self.specs[var.states[choice[i]][1][0]]
+                for x in self.hub_nodes[i]:
+                    info(x).extra["hub"] = hub
+                continue
+            ins, outs = var.states[choice[i]]
+            prov = self.provenance.get(i, "auto")
+            if var.derived is not None:
+                prov = f"auto: follows its input ({self.vars[var.derived[0]].node.name})"
+            elif len(var.states) > 1 and prov.endswith("auto"):
+                cond = self.conditional(i, choice)
+                order = sorted(range(len(var.states)), key=lambda s: (float(cond[s]), s))
+                alt = next((s for s in order if s != choice[i] and math.isfinite(float(cond[s]))), None)
+                if alt is not None:
+                    a_out = var.states[alt][1]
+                    a_desc = placements_str(self.specs[a_out[0]].placements) if a_out and a_out[0] >= 0 else "-"
+                    a_in = ",".join(placements_str(self.specs[x].placements) for x in var.states[alt][0])
+                    delta = float(cond[alt]) - float(cond[choice[i]])
+                    prov = f"{prov}; runner-up {a_desc}" + (f" from {a_in}" if a_in else "") + f" +{delta:.2f} us"
+            for k, n in enumerate(var.nodes):
+                by_node[n] = (ins, outs, prov if k == 0 else f"{prov} (shared with {var.nodes[0].name})")
+        for n in self.gm.graph.nodes:
+            rec = info(n)
+            if n in by_node:
+                ins, outs, prov = by_node[n]
+                out_specs = tuple(self.specs[o] if o >= 0 else None for o in outs)
+                if n.op == "placeholder":
+                    rec.spec = out_specs[0]
+                else:
+                    rec.input_specs = tuple(self.specs[i] for i in ins)
+                    rec.spec = out_specs if isinstance(n.meta.get("val"), (tuple, list)) else out_specs[0]
+                rec.provenance = prov
+                if n.target == strategies.EMBEDDING:
+                    w = rec.input_specs[0]
+                    rec.extra["vocab_dims"] = tuple(m for m, p in enumerate(w.placements)
+                                                    if isinstance(p, Shard) and p.dim == 0)
+            elif n.op == "call_function" and n.target is operator.getitem:
+                parent = info(n.args[0]).spec
+                rec.spec = parent[n.args[1]] if isinstance(parent, tuple) else parent
+                rec.provenance = "getitem"
+            elif n in self.transparent:
+                rec.spec = info(n.args[0]).spec
+                rec.input_specs = (rec.spec,)
+                rec.provenance = "passthrough"
+                if n.target is BOUNDARY:
+                    rec.module = n.args[1].split(":")[0]
+            elif n.op == "output":
+                specs = []
+                for role, o in zip(self._output_roles, _flat_outputs(n)):
+                    if role is None:
+                        specs.append(None)
+                    elif role[0] == "fixed":
+                        specs.append(self.specs[role[1]])
+                    elif role[0] == "like":
+                        specs.append(info(self.vars[role[1]].node).spec)
+                    else:
+                        specs.append(_reduced(self.ann, info(o).spec, o.meta["val"]))
+                rec.input_specs = tuple(specs)
+                rec.provenance = "outputs (auto)"
+
+
+def _size(b: float) -> str:
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(b) >= k:
+            return f"{b / k:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _flat_outputs(n):
+    outs = n.args[0]
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def _fake(spec: ShardingSpec):
+    return torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+
+
+def annotate_auto(gm, mesh, constraints, *, cost_model=None, options: AutoOptions | None = None,
+                  input_placements=None, output_placements=None, fuse=True, blocks=(), training=False,
+                  replicate_grads=False) -> tuple[list[str], AutoReport]:
+    """``annotate`` for ``plan="auto"``: every node's placement from one global solve."""
+    t0 = time.perf_counter()
+    p = AutoPlanner(gm, mesh, cost_model or CostModel(mesh), constraints, options or AutoOptions(),
+                    input_placements, output_placements, fuse, blocks, training, replicate_grads)
+    p.build()
+    choice = p.solve()
+    t1 = time.perf_counter()
+    p.apply(choice)
+    p.report.times["apply"] = time.perf_counter() - t1
+    p.report.times["total"] = time.perf_counter() - t0
+    log.info("fxshard: %s", p.report)
+    return p.warnings, p.report
+
+
+def modelled_cost(gm: fx.GraphModule, cost_model) -> dict:
+    """Modelled µs of an annotated, redistributed program: every redistribution's planned cost plus
+    every op's compute under its placements (the same figures ``plan="auto"`` minimises), and the
+    per-rank bytes of parameters and buffers."""
+    comm = compute = 0.0
+    state = 0.0
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if rec.kind == "redistribute" and rec.plan is not None:
+            comm += rec.plan.cost
+        elif n.op == "placeholder" and rec.kind in (PARAM, BUFFER, CONSTANT) and isinstance(rec.spec, ShardingSpec):
+            state += local_bytes(rec.spec)
+        elif n.op == "call_function" and rec.kind not in ("boundary", "redistribute") \
+                and n.target is not operator.getitem:
+            outs = rec.spec if isinstance(rec.spec, tuple) else (rec.spec,)
+            compute += compute_us(n, rec.input_specs, outs, cost_model)
+    return {"comm_us": comm, "compute_us": compute, "total_us": comm + compute, "state_bytes": state}
+
+
+__all__ = ["AutoOptions", "AutoReport", "AutoInfeasible", "annotate_auto", "modelled_cost", "repeated_blocks"]
