@@ -31,6 +31,7 @@ equal terms.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -300,7 +301,6 @@ class AutoPlanner:
 
     def _placement_options(self, val, fixed_dim=None, fixed=None) -> list[ShardingSpec]:
         """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order."""
-        import itertools
         per_dim = []
         for m in range(self.mesh.ndim):
             if m == fixed_dim:
@@ -551,7 +551,8 @@ class AutoPlanner:
         uses: dict[fx.Node, list] = {}  # immediate argument -> its (edge key, actual node) uses
         hub_edges: dict[tuple, int] = {}
         self.hub_nodes: dict[int, list[fx.Node]] = {}
-        self._output_roles, self._fixed_grads = [], []
+        self._output_roles = []
+        self._fixed_grads = []  # gradients handed back replicated: their parameters still train
         for n in gm.graph.nodes:
             if n.op == "placeholder" or n in self.transparent or n.target is operator.getitem:
                 continue
@@ -640,8 +641,6 @@ class AutoPlanner:
         flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         joint = bool(rec.extra.get("outputs"))
         roles = rec.extra.get("outputs") or [("output", i) for i in range(len(flat))]
-        self._output_roles = []
-        self._fixed_grads = []  # gradients handed back replicated: their parameters still train
         for i, o in enumerate(flat):
             role = tuple(roles[i]) if i < len(roles) else ("output", i)
             if not isinstance(o, fx.Node):
