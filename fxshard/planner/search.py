@@ -54,6 +54,43 @@ class Move:
         return self.mesh_dim if self.fused else (self.mesh_dim,)
 
 
+class _Tables:
+    """Per (cost model, fuse) figures every plan on that mesh reads: built once, not per plan."""
+
+    def __init__(self, cost_model, fuse):
+        self.lat, self.fac = planner_tables(cost_model)
+        M = cost_model.mesh.ndim
+        self.base_share = 0.0
+        if fuse:
+            base = min((v for v in self.lat.values() if v > 0), default=0.0)
+            self.base_share = min(base, getattr(cost_model, "base_latency_us", base))
+            self.lat_lb = {key: max(0.0, v - self.base_share) for key, v in self.lat.items()}
+        else:
+            self.lat_lb = self.lat
+        lat, fac = self.lat, self.fac
+        self.ag_l = [lat[ALL_GATHER, m] for m in range(M)]
+        self.ag_f = [fac[ALL_GATHER, m] for m in range(M)]
+        self.a2_l = [lat[ALL_TO_ALL, m] for m in range(M)]
+        self.a2_f = [fac[ALL_TO_ALL, m] for m in range(M)]
+        self.ar_l = [lat[ALL_REDUCE, m] for m in range(M)]
+        self.ar_f = [fac[ALL_REDUCE, m] for m in range(M)]
+        self.rs_l = [lat[REDUCE_SCATTER, m] for m in range(M)]
+        self.rs_f = [fac[REDUCE_SCATTER, m] for m in range(M)]
+
+
+_TABLES: dict = {}
+
+
+def _tables(cost_model, fuse) -> _Tables:
+    key = (id(cost_model), fuse)
+    hit = _TABLES.get(key)
+    if hit is None or hit[0] is not cost_model:  # keyed by identity; the model object is kept alive
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        hit = _TABLES[key] = (cost_model, _Tables(cost_model, fuse))
+    return hit[1]
+
+
 class Problem:
     """Everything the search needs, precomputed once per plan."""
 
@@ -79,15 +116,9 @@ class Problem:
         self.dst_pmask = sum(1 << m for m in dst_partial)
         self.start_pa = sum(1 << m for m, op in src_partial.items() if dst_partial.get(m) != op)
         self.start_pb = sum(1 << m for m, op in src_partial.items() if dst_partial.get(m) == op)
-        self.lat, self.fac = planner_tables(cost_model)
-        self.base_share = 0.0
-        if fuse:
-            self.base_share = min((v for v in self.lat.values() if v > 0), default=0.0)
-            base = min(self.base_share, getattr(cost_model, "base_latency_us", self.base_share))
-            self.base_share = base
-            self.lat_lb = {key: max(0.0, v - base) for key, v in self.lat.items()}
-        else:
-            self.lat_lb = self.lat
+        tab = _tables(cost_model, fuse)
+        self.tab = tab
+        self.lat, self.fac, self.lat_lb, self.base_share = tab.lat, tab.fac, tab.lat_lb, tab.base_share
         # dst location of each mesh dim
         self.dst_where = {}
         for d, lv in enumerate(dst_levels):
@@ -110,33 +141,36 @@ class Problem:
     def _build_heuristic(self):
         K = math.prod(self.k)
         g = self.g
-        self.lb = []
+        tab = self.tab
+        lat = self.lat_lb
+        # per mesh dim: bound for a level that must move (lvl_lb, 0 for levels the target does not
+        # shard: their gathers are in gather_lb), for a partial dim that must be reduced away (lb_pa)
+        # and for one the target keeps partial in the same way (lb_pb)
+        self.lvl_lb, self.lb_pa, self.lb_pb = [], [], []
+        dst_where, dst_pmask, fuse = self.dst_where, self.dst_pmask, self.fuse
         for m in range(self.M):
             n_sh = g / K  # smallest local size while m itself is sharded
             n_un = g * self.k[m] / K  # ... while m is not sharded
-            lat = self.lat_lb
-            ag = lat[ALL_GATHER, m] + self.fac[ALL_GATHER, m] * n_sh
             # with fusion one all-to-all can move several levels for less than their separate
             # bandwidth bounds add up to, so the bound keeps only its latency
-            a2a = lat[ALL_TO_ALL, m] + (0.0 if self.fuse else self.fac[ALL_TO_ALL, m] * n_sh)
-            ar = lat[ALL_REDUCE, m] + self.fac[ALL_REDUCE, m] * n_un
-            rs = lat[REDUCE_SCATTER, m] + self.fac[REDUCE_SCATTER, m] * n_un
-            dst = self.dst_where.get(m)
-            dst_p = bool(self.dst_pmask >> m & 1)
+            ag = lat[ALL_GATHER, m] + tab.ag_f[m] * n_sh
+            a2a = lat[ALL_TO_ALL, m] + (0.0 if fuse else tab.a2_f[m] * n_sh)
+            ar = lat[ALL_REDUCE, m] + tab.ar_f[m] * n_un
+            rs = lat[REDUCE_SCATTER, m] + tab.rs_f[m] * n_un
             # A reduce-scatter towards a replicated target leaves a level that must be gathered; that
-            # gather is counted by the gather bound below, so here only min(ar, rs) (consistency).
-            to_r = min(ar, rs)
-            lb_pb = 0.0 if dst_p else (min(rs, ar) if dst is not None else to_r)
-            lb_pa = min(rs, ar) if dst is not None else to_r
-            self.lb.append({"R": 0.0, "Pa": lb_pa, "Pb": lb_pb, "S": (dst, min(a2a, ag), ag)})
+            # gather is counted by the gather bound, so here only min(ar, rs) (consistency).
+            to_r = ar if ar < rs else rs
+            self.lvl_lb.append((a2a if a2a < ag else ag) if m in dst_where else 0.0)
+            self.lb_pa.append(to_r)
+            self.lb_pb.append(0.0 if dst_pmask >> m & 1 else to_r)
         # Gather bound.  Mesh dims not sharded by the target ("cand") must be gathered after their
         # last push; when the last gather of x_i runs, only dims the target shards and cand dims
         # gathered later can still shard the tensor, so its input is >= g / (K_S * prod k_{x_j>=i}).
         # Minimised over orderings and over optional extra cand dims, per set of cand dims that are
         # sharded now.  Consistent: a gather of m costs at least the bound's term for m put first.
-        self.cand = [m for m in range(self.M) if m not in self.dst_where]
+        self.cand = [m for m in range(self.M) if m not in dst_where]
         self.cand_mask = sum(1 << m for m in self.cand)
-        self.K_S = math.prod(self.k[m] for m in self.dst_where)
+        self.K_S = math.prod(self.k[m] for m in dst_where)
         self._build_gather_table()
 
     def _build_gather_table(self):
@@ -183,8 +217,7 @@ class Problem:
         for p, (m, sf) in enumerate(st):
             ok = ok and p < len(tgt) and tgt[p] == (m, sf)
             if not ok:
-                dst, move, _ag = self.lb[m]["S"]
-                h += move if dst is not None else 0.0  # gathers: see gather_lb
+                h += self.lvl_lb[m]  # 0 for gathers: see gather_lb
         return h
 
     def heuristic(self, stacks, pa, pb):
@@ -193,9 +226,9 @@ class Problem:
             h += self.stack_lb(d, st)
         for m in range(self.M):
             if pa >> m & 1:
-                h += self.lb[m]["Pa"]
+                h += self.lb_pa[m]
             elif pb >> m & 1:
-                h += self.lb[m]["Pb"]
+                h += self.lb_pb[m]
         return h
 
 
@@ -243,11 +276,10 @@ def solve(problem: Problem):
             v = v * B + code[lev]
             ok.add(v)
         prefix_ok.append(ok)
-    lat, fac = P.lat, P.fac
     scratch, scratch_set = P.scratch, P.scratch_set
     g_bytes = P.g
     dst_pmask = P.dst_pmask
-    lb, targets = P.lb, P.targets
+    targets = P.targets
     tcodes = [[(d2, sf2, code[(m, sf2)]) for d2, sf2 in targets[m]] for m in range(M)]
     even_only, shape = P.even_only, P.shape
 
@@ -259,18 +291,11 @@ def solve(problem: Problem):
             e //= k[mm]
         return True
 
-    lvl_lb = [lb[m]["S"][1] if lb[m]["S"][0] is not None else 0.0 for m in range(M)]
+    lvl_lb, lb_pa, lb_pb = P.lvl_lb, P.lb_pa, P.lb_pb
     cand_mask, gather_lb = P.cand_mask, P.gather_lb
-    lb_pa = [lb[m]["Pa"] for m in range(M)]
-    lb_pb = [lb[m]["Pb"] for m in range(M)]
-    ag_l = [lat[ALL_GATHER, m] for m in range(M)]
-    ag_f = [fac[ALL_GATHER, m] for m in range(M)]
-    a2_l = [lat[ALL_TO_ALL, m] for m in range(M)]
-    a2_f = [fac[ALL_TO_ALL, m] for m in range(M)]
-    ar_l = [lat[ALL_REDUCE, m] for m in range(M)]
-    ar_f = [fac[ALL_REDUCE, m] for m in range(M)]
-    rs_l = [lat[REDUCE_SCATTER, m] for m in range(M)]
-    rs_f = [fac[REDUCE_SCATTER, m] for m in range(M)]
+    tab = P.tab
+    ag_l, ag_f, a2_l, a2_f = tab.ag_l, tab.ag_f, tab.a2_l, tab.a2_f
+    ar_l, ar_f, rs_l, rs_f = tab.ar_l, tab.ar_f, tab.rs_l, tab.rs_f
     start_shards, start_mask = 1, 0
     for st in P.src_levels:
         for m, _ in st:
@@ -430,7 +455,6 @@ def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_
     """One collective over several mesh dims: gather / all-to-all the innermost j >= 2 levels of a
     tensor dim, all-reduce or reduce-scatter several partial dims (of one reduce op) at once."""
     k, cm, tgt = P.k, P.cost_model, P.dst_levels
-    lvl = [P.lb[m]["S"][1] if P.lb[m]["S"][0] is not None else 0.0 for m in range(P.M)]
 
     def stack_lb(d, st):
         return P.stack_lb(d, st)
@@ -472,7 +496,7 @@ def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_
             if len(ops) > 1 and not ops <= set(LINEAR_OPS):
                 continue  # one collective reduces with one op (sum and avg: sum, then scale)
             bits = sum(1 << m for m in subset)
-            old = sum(P.lb[m]["Pa" if pa >> m & 1 else "Pb"] for m in subset)
+            old = sum(P.lb_pa[m] if pa >> m & 1 else P.lb_pb[m] for m in subset)
             npa, npb = pa & ~bits, pb & ~bits
             out.append(((stacks, npa, npb), cm.collective(ALL_REDUCE, subset, n), shards, -old,
                         (AR, subset, None, None, 1)))
@@ -490,7 +514,7 @@ def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_
                     added = stack_lb(d2, st2) - stack_lb(d2, stacks[d2])
                     out.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], npa, npb), rs_cost, shards * prod,
                                 grown + added - old, (RS, order, None, d2, 1)))
-    del lvl, tgt
+    del tgt
     return out
 
 
