@@ -115,6 +115,37 @@ def test_astar_matches_brute_force(mesh_shape, fuse):
             assert plan.cost <= unfused.cost + 1e-9
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("mesh_shape,shape", [((2, 4), (8, 16)), ((4, 2), (8, 6, 4)), ((2, 2, 2), (4, 8))])
+def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
+    """One Dijkstra run from a source (what plan="auto" uses for all pairs) gives exactly the A*
+    costs, over every even placement incl. mixed reduce ops, shard orders and uneven-free states."""
+    from fxshard.passes.annotate import is_even
+    from fxshard.planner import costs_from, plan_between
+
+    mesh = fxshard.MeshSpec(mesh_shape)
+    cm = CostModel(mesh)
+    opts = [R, Partial("sum"), Partial("avg"), Partial("max")] + [Shard(d) for d in range(len(shape))]
+    if len(mesh_shape) > 2:
+        opts.remove(Partial("avg"))  # fewer pairs; avg is covered on the 2-D meshes
+    specs = []
+    for plc in itertools.product(opts, repeat=len(mesh_shape)):
+        try:
+            s = ShardingSpec.make(mesh, plc, shape, torch.float32)
+        except ValueError:  # mixed reduce ops in one placement
+            continue
+        if is_even(s):
+            specs.append(s)
+    big = next(d for d in range(len(shape)) if shape[d] % math.prod(mesh_shape) == 0)  # a non-default order
+    specs.append(ShardingSpec.make(mesh, (Shard(big),) * len(mesh_shape), shape, torch.float32,
+                                   {big: tuple(reversed(range(len(mesh_shape))))}))
+    assert is_even(specs[-1])
+    for a in specs:
+        got = costs_from(a, specs, cm, even_only=True, fuse=fuse)
+        want = [plan_between(a, b, cm, even_only=True, fuse=fuse).cost for b in specs]
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
+
+
 def test_never_worse_than_torch_graph_planner():
     """Scored with torch's own one_step_redistribute_cost, on torch's cost figures."""
     rng = random.Random(7)

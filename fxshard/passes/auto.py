@@ -47,7 +47,7 @@ from .. import strategies
 from ..adapter import Partial, Replicate, Shard, flop_count
 from ..cost import CostModel
 from ..mesh import MeshSpec
-from ..planner import plan_between
+from ..planner import costs_from, plan_between
 from ..plans import PlanConstraints
 from ..spec import ShardingSpec, placements_str
 from .annotate import Annotator, _is_custom_op, _val, _where, custom_op_error, is_even, tensor_args
@@ -67,7 +67,8 @@ class AutoOptions:
     it, replicating everything costs nothing).  ``share_layers``: identical repeated layers take one
     decision.  ``follow``: an op with one tensor input takes its input's placement as it is where its
     rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
-    ``time_limit_s``: HiGHS's limit for the cross-edge integer program."""
+    ``time_limit_s``: HiGHS's limit for the cross-edge integer program; ``mip_gap``: the relative
+    gap at which it stops (the plan is then within that fraction of the modelled optimum)."""
 
     memory_budget: float | None = None
     optimizer_states: int = 2
@@ -76,6 +77,7 @@ class AutoOptions:
     share_layers: bool = True
     follow: bool = True
     time_limit_s: float = 60.0
+    mip_gap: float = 1e-3
 
 
 @dataclass
@@ -92,13 +94,15 @@ class AutoReport:
     objective_us: float = 0.0
     memory_bytes: float = 0.0
     min_memory_bytes: float = 0.0
+    pruned_states: int = 0  # dominated states dropped before the ILP
     times: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         t = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.times.items())
         return (f"auto: {self.nodes} nodes -> {self.variables} decisions ({self.shared_layers} layers shared, "
                 f"{self.followed} ops follow their input), "
-                f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.ilp_columns} columns); "
+                f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.pruned_states} dominated "
+                f"states dropped, {self.ilp_columns} columns); "
                 f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per rank; {t}")
 
 
@@ -160,10 +164,11 @@ def repeated_blocks(model: torch.nn.Module | None) -> list[list[str]]:
     return [g for g in out if not any(f.startswith(o + ".") for f in g for o in inner if o != f)]
 
 
-def _layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, list[list[fx.Node]]]:
-    """{first block fqn: [nodes of each instance in graph order]} from the capture's block markers
-    (forward nodes between a block's input and output boundaries), backward nodes by their forward
-    op (AOT's ``seq_nr``), parameters by FQN prefix."""
+def _layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, list[tuple[list, list]]]:
+    """{first block fqn: [(core nodes, accumulation nodes) of each instance]} from the capture's block
+    markers (forward nodes between a block's input and output boundaries), backward nodes by their
+    forward op (AOT's ``seq_nr``), parameters by FQN prefix; gradient accumulations (no layer's
+    ``seq_nr``) by their most recent input, kept apart since the first and last layers differ there."""
     owner = {f: g[0] for g in blocks for f in g}
     inst_of: dict[fx.Node, str] = {}
     current = None
@@ -193,10 +198,21 @@ def _layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, l
             inst_of[n] = current
             if "seq_nr" in n.meta:
                 seq_owner.setdefault(n.meta["seq_nr"], current)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    add = torch.ops.aten.add.Tensor
+    accumulation: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward":
             continue
-        f = seq_owner.get(n.meta.get("seq_nr"))  # gradient accumulations stay outside: their number varies
+        f = seq_owner.get(n.meta.get("seq_nr"))
+        if f is None and (n.target is add or info(n).kind == "boundary"):
+            # Gradient accumulations carry no layer's seq_nr (AOT tags them with the engine's last
+            # one): they join the layer of their most recently computed input, so that every middle
+            # layer holds the same accumulations and its signature matches its neighbours'.
+            owned = [a for a in n.all_input_nodes if a in inst_of]
+            if owned:
+                f = inst_of[max(owned, key=order.__getitem__)]
+                accumulation.add(n)
         if f is not None:
             inst_of[n] = f
     out: dict[str, list[list[fx.Node]]] = {}
@@ -208,7 +224,8 @@ def _layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, l
                 per[f].append(n)
         for f in g:  # parameters first, by their name inside the layer
             per[f].sort(key=lambda n, f=f: (0, info(n).fqn[len(f):]) if n.op == "placeholder" else (1, 0))
-        out[g[0]] = [per[f] for f in g]
+        out[g[0]] = [([n for n in per[f] if n not in accumulation], [n for n in per[f] if n in accumulation])
+                     for f in g]
     return out
 
 
@@ -269,6 +286,8 @@ class AutoPlanner:
         self.specs: list[ShardingSpec] = []
         self.spec_id: dict = {}
         self._cost: dict = {}
+        self._by_shape: dict[tuple, list[int]] = {}  # (shape, dtype) -> spec ids
+        self._searched: set[int] = set()  # spec ids whose costs to their group are known
         self.vars: list[_Var] = []
         self.var_of: dict[fx.Node, int] = {}
         self.factors: dict[tuple[int, int], torch.Tensor] = {}
@@ -281,6 +300,7 @@ class AutoPlanner:
         if i is None:
             i = self.spec_id[spec] = len(self.specs)
             self.specs.append(spec)
+            self._by_shape.setdefault((spec.shape, spec.dtype), []).append(i)
         return i
 
     def cost(self, a: int, b: int) -> float:
@@ -288,16 +308,32 @@ class AutoPlanner:
             return 0.0
         c = self._cost.get((a, b))
         if c is None:
-            sa, sb = self.specs[a], self.specs[b]
-            if sa.levels == sb.levels and sa.placements == sb.placements:
-                c = 0.0
-            else:
-                try:
-                    c = plan_between(sa, sb, self.cm, even_only=True, fuse=self.fuse).cost
-                except (ValueError, NotImplementedError):
-                    c = INF
-            self._cost[(a, b)] = c
+            if a not in self._searched:
+                self._costs_from(a)
+                c = self._cost.get((a, b))
+            if c is None:
+                c = self._cost[(a, b)] = self._plan_cost(self.specs[a], self.specs[b])
         return c
+
+    def _plan_cost(self, sa: ShardingSpec, sb: ShardingSpec) -> float:
+        if sa.levels == sb.levels and sa.placements == sb.placements:
+            return 0.0
+        try:
+            return plan_between(sa, sb, self.cm, even_only=True, fuse=self.fuse).cost
+        except (ValueError, NotImplementedError):
+            return INF
+
+    def _costs_from(self, a: int):
+        """Costs from spec ``a`` to every spec of the same value shape so far: one search from ``a``
+        (the solver asks for nearly all pairs among a value's placements)."""
+        self._searched.add(a)
+        sa = self.specs[a]
+        group = [b for b in self._by_shape.get((sa.shape, sa.dtype), ()) if b != a]
+        try:
+            costs = costs_from(sa, [self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse)
+        except (ValueError, NotImplementedError):
+            return  # pair by pair (unreachable targets cost INF there)
+        self._cost.update(((a, b), c) for b, c in zip(group, costs))
 
     def _placement_options(self, val, fixed_dim=None, fixed=None) -> list[ShardingSpec]:
         """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order."""
@@ -447,12 +483,22 @@ class AutoPlanner:
         share: dict[fx.Node, fx.Node] = {}
         if self.opt.share_layers and self.blocks:
             for prefix, insts in _layer_instances(gm, self.blocks).items():
-                base = _signature(insts[0], prefix)
+                # An instance's ops share the decisions of the first instance with the same signature;
+                # its gradient accumulations those of the first with the same signature including
+                # them (the first and last layers, bordering the embedding and the head, accumulate
+                # differently: they keep their own, the middle ones share).
                 members = [f for g in self.blocks if g[0] == prefix for f in g]
-                for k, nodes in enumerate(insts[1:], 1):
-                    if _signature(nodes, members[k]) == base:
-                        share.update(zip(nodes, insts[0]))
+                first_core: dict = {}
+                first_all: dict = {}
+                for k, (core, acc) in enumerate(insts):
+                    sig = repr(_signature(core, members[k]))
+                    base = first_core.setdefault(sig, k)
+                    if base != k:
+                        share.update(zip(core, insts[base][0]))
                         self.report.shared_layers += 1
+                    base = first_all.setdefault(repr(_signature(core + acc, members[k])), k)
+                    if base != k:
+                        share.update(zip(acc, insts[base][1]))
         self.provenance: dict[int, str] = {}
         transparent, shared = set(), []
         self._order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -734,7 +780,18 @@ class AutoPlanner:
         core = [i for i in range(nv) if alive[i]]
         choice = [-1] * nv
         if core:
-            self._ilp(core, unary, factors, choice, budget)
+            keep = self._dominance(core, unary, factors, nbrs, budget)
+            sub_unary = list(unary)
+            memory = {}
+            for v in core:
+                sub_unary[v] = unary[v][keep[v]]
+                if self.vars[v].memory is not None:
+                    memory[v] = self.vars[v].memory[keep[v]]
+            sub_factors = {(u, v): t[keep[u]][:, keep[v]] for (u, v), t in factors.items()}
+            self.report.pruned_states = sum(len(unary[v]) - len(keep[v]) for v in core)
+            self._ilp(core, sub_unary, sub_factors, memory, choice, budget)
+            for v in core:
+                choice[v] = int(keep[v][choice[v]])
         t2 = time.perf_counter()
         for v, kind, data in reversed(eliminated):
             if kind == 0:
@@ -777,7 +834,43 @@ class AutoPlanner:
                 f"{self.mesh.shape} and the fixed placements allow ({_size(self.report.min_memory_bytes - budget)} "
                 f"over); raise the budget or use a larger mesh")
 
-    def _ilp(self, core, unary, factors, choice, budget):
+    def _dominance(self, core, unary, factors, nbrs, budget) -> dict[int, torch.Tensor]:
+        """{var: kept state indices}: a state is dropped when another costs no more on the var's own
+        terms (compute, memory when budgeted) and on every edge to every kept neighbour state, since
+        switching to it never raises the objective nor breaks the budget.  Exact (the ILP keeps an
+        optimum); repeated until nothing changes, neighbours' pruning exposing more."""
+        keep = {v: torch.nonzero(torch.isfinite(unary[v])).flatten() for v in core}
+        for v in core:
+            if not len(keep[v]):
+                keep[v] = torch.arange(len(unary[v]))
+        changed, rounds = True, 0
+        while changed and rounds < 4:
+            changed, rounds = False, rounds + 1
+            for v in core:
+                kv = keep[v]
+                if len(kv) < 2:
+                    continue
+                feats = [unary[v][kv, None]]
+                mem = self.vars[v].memory
+                if budget is not None and mem is not None:
+                    feats.append(mem[kv, None])
+                for u, k in nbrs[v].items():
+                    t = factors[k] if k[0] == v else factors[k].T
+                    feats.append(t[kv][:, keep[u]])
+                f = torch.cat(feats, dim=1)
+                f = torch.where(torch.isfinite(f), f, torch.full_like(f, 1e300))
+                le = (f[:, None, :] <= f[None, :, :] + 1e-9 * (1 + f[None, :, :].abs())).all(dim=2)  # [a, b]: a <= b
+                n = len(kv)
+                idx = torch.arange(n)
+                strict = le & ~le.T  # a strictly better somewhere
+                tie = le & le.T & (idx[:, None] < idx[None, :])  # equal rows: the lower index stays
+                dominated = (strict | tie).any(dim=0)
+                if bool(dominated.any()):
+                    keep[v] = kv[~dominated]
+                    changed = True
+        return keep
+
+    def _ilp(self, core, unary, factors, memory, choice, budget):
         import highspy
         import numpy as np
 
@@ -823,8 +916,8 @@ class AutoPlanner:
         if budget is not None:
             cols, vals = [], []
             for v in core:
-                if self.vars[v].memory is not None:
-                    for s, m in enumerate(self.vars[v].memory.tolist()):
+                if v in memory:
+                    for s, m in enumerate(memory[v].tolist()):
                         cols.append(col_of[v] + s)
                         vals.append(m)
             rows.append((cols, vals))
@@ -835,7 +928,7 @@ class AutoPlanner:
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("threads", 1)
         h.setOptionValue("time_limit", float(self.opt.time_limit_s))
-        h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("mip_rel_gap", float(self.opt.mip_gap))
         n = len(costs)
         h.addCols(n, np.array(costs), np.zeros(n), np.array(ub), 0, np.array([], dtype=np.int32),
                   np.array([], dtype=np.int32), np.array([]))

@@ -12,9 +12,9 @@ from ..adapter import Partial, Replicate, Shard, StridedShard, placement_kind
 from ..cost import CostModel
 from ..mesh import MeshSpec
 from ..spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
-from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem, solve
+from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem, distances, solve
 
-__all__ = ["Step", "RedistributePlan", "plan_redistribute", "clear_plan_cache"]
+__all__ = ["Step", "RedistributePlan", "plan_redistribute", "plan_between", "costs_from", "clear_plan_cache"]
 
 _COLLECTIVE = {AG: "all_gather", A2A: "all_to_all", AR: "all_reduce", RS: "reduce_scatter",
                SHARD: None, MAKE_PARTIAL: None}
@@ -135,6 +135,39 @@ def plan_between(src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | N
         raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {dst.mesh}/{dst.shape}")
     cm = cost_model or CostModel(src.mesh)
     return (_plan_cached if cache else _plan)(src, dst, cm, even_only, fuse)
+
+
+def costs_from(src: ShardingSpec, dsts: Sequence[ShardingSpec], cost_model: CostModel | None = None,
+               even_only: bool = False, fuse: bool = False) -> list[float]:
+    """``[plan_between(src, d).cost for d in dsts]``, from one search over every state reachable from
+    ``src`` (Dijkstra on the planner's own moves) rather than one search per target: what a global
+    placement solver needs, every pair among a value's candidate placements.  Same costs as
+    ``plan_between``; targets it cannot reach that way (mixed reduce ops) are planned one by one."""
+    cm = cost_model or CostModel(src.mesh)
+    for d in dsts:
+        if d.mesh.shape != src.mesh.shape or d.shape != src.shape:
+            raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {d.mesh}/{d.shape}")
+    sp = _partials(src)
+    parts = [_partials(d) for d in dsts]
+    op_of = [set(p.values()) for p in parts]
+    # one search per target reduce op (a state holds partial dims of at most two ops: the source's,
+    # still to reduce, and the target's); sources mixing ops are planned pair by pair
+    runs = sorted(set().union(*op_of)) or ["sum"]
+    if len(set(sp.values())) > 1:
+        runs = []
+    out: list = [None] * len(dsts)
+    for k, op in enumerate(runs):
+        want = [i for i, o in enumerate(op_of) if o == {op} or (not o and k == 0)]
+        pmask = {i: sum(1 << m for m in parts[i]) for i in want}
+        union = 0
+        for x in pmask.values():
+            union |= x
+        stacks = frozenset(dsts[i].levels for i, x in pmask.items() if x)
+        dist = distances(cm, src.mesh.shape, src.levels, sp, stacks, union, op, src.nbytes, src.shape,
+                         even_only, fuse)
+        for i, x in pmask.items():
+            out[i] = dist.get((dsts[i].levels, x))
+    return [c if c is not None else _plan(src, d, cm, even_only, fuse).cost for c, d in zip(out, dsts)]
 
 
 @lru_cache(maxsize=16384)

@@ -232,8 +232,12 @@ class Problem:
         return h
 
 
-def solve(problem: Problem):
+def solve(problem: Problem, exhaust: frozenset | None = None):
     """Return (cost, [(Move, cost), ...], [state, ...]) of a min-cost path.
+
+    ``exhaust``: instead, the min cost from the source to every reachable state (a Dijkstra run over
+    the same moves, for ``distances``); its members are the target shard stacks at which a
+    replicated dim may be made partial.
 
     States are encoded as a tuple of ints: one per tensor dim (its stack of levels as digits, the
     innermost level in the lowest digit; 0 is empty), then the two partial masks.  Hashing and
@@ -242,7 +246,7 @@ def solve(problem: Problem):
     k = P.k
     start_t = (P.src_levels, P.start_pa, P.start_pb)
     goal_t = (P.dst_levels, 0, P.dst_pmask)
-    if start_t == goal_t:
+    if start_t == goal_t and exhaust is None:
         return 0.0, [], [start_t]
     M, T = P.M, P.T
     # level codes
@@ -314,6 +318,9 @@ def solve(problem: Problem):
     inf = math.inf
     direct = direct_plan_cost(P)
     ub = direct * (1 + 1e-12) + 1e-9 if direct is not None else inf
+    if exhaust is not None:
+        ub, goal = inf, None
+        exhaust = {tuple(enc(st) for st in stacks) for stacks in exhaust}
     while heap:
         _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
@@ -331,7 +338,7 @@ def solve(problem: Problem):
                 first_empty_scratch = d
                 break
         depth -= 1
-        at_target = state[:T] == goal[:T]
+        at_target = state[:T] == goal[:T] if exhaust is None else state[:T] in exhaust
         nbrs = []  # (new_state, step_cost, new_shards, new_mask, dh, move)
         base_f = gcost + h
         for d in range(T):
@@ -431,6 +438,8 @@ def solve(problem: Problem):
                 nh = h + dh
                 push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, counter, ng, new_state,
                                  new_shards, new_mask, nh))
+    if exhaust is not None:  # states with nothing left to reduce
+        return {(tuple(dec(st[d]) for d in range(T)), st[T + 1]): c for st, c in best.items() if not st[T]}
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
 
 
@@ -564,3 +573,28 @@ def direct_plan_cost(P: Problem) -> float | None:
             cost += P.lat[ALL_GATHER, m] + P.fac[ALL_GATHER, m] * g / shards
             shards //= k[m]
     return cost
+
+
+def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stacks, target_pmask: int, op: str,
+              global_bytes, shape, even_only=False, fuse=False) -> dict:
+    """Min cost from one source to every reachable state, over exactly the moves ``solve`` uses:
+    ``{(shard stacks, partial mask): cost}``.  One run replaces a plan per target: the automatic
+    planner asks for every pair among a value's candidate placements.  Target partial dims reduce
+    with ``op``; source partial dims with ``op`` may stay, with another op they must be reduced (as
+    ``solve`` treats them).  ``target_stacks`` are the stacks at which a replicated dim may be made
+    partial (the targets holding partial dims), ``target_pmask`` the dims they hold partial.
+    Plain Dijkstra: no heuristic, no scratch-dim pruning (every target is a goal)."""
+    M, T = len(mesh_shape), len(src_levels)
+    dst_partial = {m: op for m in range(M)}
+    P = Problem(cost_model, mesh_shape, src_levels, tuple(() for _ in range(T)), src_partial, dst_partial,
+                global_bytes, shape, even_only, fuse)
+    P.dst_pmask = target_pmask
+    keep = sum(1 << m for m, o in src_partial.items() if o == op)
+    P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
+    # a zero heuristic: Dijkstra
+    P.lvl_lb, P.lb_pa, P.lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
+    P.cand, P.cand_mask, P.K_S = [], 0, 1
+    P._table, P._bit_of, P._hag = [0.0], {}, {}
+    P.scratch, P.scratch_set = [], set()
+    P.base_share = 0.0
+    return solve(P, exhaust=frozenset(target_stacks))
