@@ -23,16 +23,7 @@ import statistics
 import time
 
 import torch
-import torch.nn as nn
-
-
-class WithLoss(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return self.model(tokens).float().pow(2).mean()
+from train_step import CollectiveCounter, WithLoss  # this folder's training benchmark
 
 
 def _sync(device):
@@ -138,7 +129,7 @@ def main():
                 WithLoss(copy.deepcopy(base)), dm, tplan)
         for label, make in variants.items():
             torch._dynamo.reset()
-            counter = fxshard_counter()
+            counter = CollectiveCounter()
             t = time.perf_counter()
             fn = make()
             if mode == "forward":
@@ -178,22 +169,6 @@ def main():
             print(f"{mode:8} {label:26} {ms:9.2f} {ms / anchor:10.2f} {compile_s:9.1f} {counter.n:11d} "
                   f"{kernels:8d} {colls:19d}", flush=True)  # each row at once: a later failure keeps it
     dist.destroy_process_group()
-
-
-def fxshard_counter():
-    class Counter:
-        n = 0
-
-        def __call__(self, graph):
-            for node in graph.nodes:
-                ns = getattr(node.target, "namespace", None)
-                if node.op == "call_function" and ns == "_c10d_functional" and "wait" not in str(node.target):
-                    self.n += 1
-
-        def uuid(self):
-            return "fxshard-gpu-step-counter"
-
-    return Counter()
 
 
 if __name__ == "__main__":
