@@ -77,7 +77,7 @@ class AutoOptions:
     share_layers: bool = True
     follow: bool = True
     time_limit_s: float = 60.0
-    mip_gap: float = 1e-3
+    mip_gap: float = 5e-3
 
 
 @dataclass
@@ -95,6 +95,8 @@ class AutoReport:
     memory_bytes: float = 0.0
     min_memory_bytes: float = 0.0
     pruned_states: int = 0  # dominated states dropped before the ILP
+    ilp_gap: float = 0.0  # proven relative gap of the plan to the optimum of the cross-edge program
+    ilp_rounded: bool = False  # the LP relaxation, rounded and improved, was within mip_gap
     times: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -102,7 +104,8 @@ class AutoReport:
         return (f"auto: {self.nodes} nodes -> {self.variables} decisions ({self.shared_layers} layers shared, "
                 f"{self.followed} ops follow their input), "
                 f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.pruned_states} dominated "
-                f"states dropped, {self.ilp_columns} columns); "
+                f"states dropped, {self.ilp_columns} columns, "
+                f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}); "
                 f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per rank; {t}")
 
 
@@ -870,6 +873,58 @@ class AutoPlanner:
                     changed = True
         return keep
 
+    def _local_search(self, core, unary, factors, memory, start, budget, sweeps=20):
+        """Iterated conditional modes from ``start``: each variable in turn takes its cheapest state
+        given its neighbours', within the budget; first, while over budget, the swaps that save the
+        most memory per unit of cost.  None when no state meets the budget."""
+        nb: dict[int, list] = {v: [] for v in core}
+        for (u, v), t in factors.items():
+            nb[u].append((v, t))
+            nb[v].append((u, t.T))
+        cur = dict(start)
+        used = sum(float(memory[v][cur[v]]) for v in memory) if budget is not None else 0.0
+        limit = float(budget) if budget is not None else math.inf
+
+        def local(v):
+            c = unary[v].clone()
+            for w, t in nb[v]:
+                c += t[:, cur[w]]
+            return c
+
+        while used > limit:  # repair: cheapest cost increase per byte saved
+            best = None
+            for v in memory:
+                c = local(v)
+                saved = float(memory[v][cur[v]]) - memory[v]
+                ok = saved > 0
+                if not bool(ok.any()):
+                    continue
+                rate = torch.where(ok, (c - c[cur[v]]) / saved.clamp(min=1e-9), torch.full_like(c, math.inf))
+                s = int(rate.argmin())
+                if best is None or float(rate[s]) < best[0]:
+                    best = (float(rate[s]), v, s)
+            if best is None:
+                return None
+            _, v, s = best
+            used -= float(memory[v][cur[v]] - memory[v][s])
+            cur[v] = s
+        for _ in range(sweeps):
+            changed = False
+            for v in core:
+                c = local(v)
+                if v in memory:
+                    room = limit - used + float(memory[v][cur[v]])
+                    c = torch.where(memory[v] <= room + 1e-6, c, torch.full_like(c, math.inf))
+                s = int(c.argmin())
+                if float(c[s]) < float(c[cur[v]]) - 1e-9 * (1 + abs(float(c[cur[v]]))):
+                    if v in memory:
+                        used += float(memory[v][s] - memory[v][cur[v]])
+                    cur[v] = s
+                    changed = True
+            if not changed:
+                break
+        return cur
+
     def _ilp(self, core, unary, factors, memory, choice, budget):
         import highspy
         import numpy as np
@@ -890,12 +945,14 @@ class AutoPlanner:
             rows.append((list(range(col_of[v], col_of[v] + n)), [1.0] * n))
             rows_lo.append(1.0)
             rows_hi.append(1.0)
+        classes = []  # per edge: (u, v, first marginal column, row class per u state, col class per v state)
         for (u, v), t in sorted(factors.items()):
             # states with identical rows / columns act alike on this edge: one marginal per class
             rk, rinv = torch.unique(t, dim=0, return_inverse=True)
             ck, cinv = torch.unique(rk, dim=1, return_inverse=True)
             base = len(costs)
             nr, nc = ck.shape
+            classes.append((u, v, base, nc, rinv.tolist(), cinv.tolist()))
             for i in range(nr):
                 for j in range(nc):
                     c = float(ck[i, j])
@@ -919,10 +976,10 @@ class AutoPlanner:
                 if v in memory:
                     for s, m in enumerate(memory[v].tolist()):
                         cols.append(col_of[v] + s)
-                        vals.append(m)
+                        vals.append(m / 2**20)  # MiB: bytes would make the row badly scaled
             rows.append((cols, vals))
             rows_lo.append(-highspy.kHighsInf)
-            rows_hi.append(float(budget))
+            rows_hi.append(float(budget) / 2**20)
         h = highspy._Highs()  # the core class: Highs() prints a banner to stdout when constructed
         h.setOptionValue("output_flag", False)
         h.setOptionValue("random_seed", 0)
@@ -939,12 +996,44 @@ class AutoPlanner:
             vals += vs
         h.addRows(len(rows), np.array(rows_lo), np.array(rows_hi), len(idx), np.array(starts, dtype=np.int32),
                   np.array(idx, dtype=np.int32), np.array(vals, dtype=np.float64))
-        h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
-                                np.array([highspy.HighsVarType.kInteger] * nx))
-        h.run()
-        status = h.getModelStatus()
         self.report.ilp_variables = len(core)
         self.report.ilp_columns = n
+        # The LP relaxation first: on this (marginal) formulation it is nearly integral and its value
+        # bounds the optimum from below.  Rounded and improved by local search, its plan is taken when
+        # within mip_gap of that bound (deterministic, and a fraction of the branch-and-bound time);
+        # otherwise it warm-starts the integer program.
+        h.setOptionValue("solve_relaxation", True)
+        h.run()
+        status = h.getModelStatus()
+        start = None
+        if status == highspy.HighsModelStatus.kOptimal:
+            lp = h.getSolution().col_value
+            bound = h.getInfo().objective_function_value
+            start = {v: max(range(len(unary[v])), key=lambda s, v=v: lp[col_of[v] + s]) for v in core}
+            start = self._local_search(core, unary, factors, memory, start, budget)
+            if start is not None:
+                obj = sum(float(unary[v][start[v]]) for v in core) + \
+                    sum(float(t[start[u], start[v]]) for (u, v), t in factors.items())
+                self.report.ilp_gap = (obj - bound) / max(abs(obj), 1e-12)
+                if self.report.ilp_gap <= self.opt.mip_gap:
+                    self.report.ilp_rounded = True
+                    for v in core:
+                        choice[v] = start[v]
+                    return
+        if status != highspy.HighsModelStatus.kInfeasible:
+            h.setOptionValue("solve_relaxation", False)
+            h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
+                                    np.array([highspy.HighsVarType.kInteger] * nx))
+            if status == highspy.HighsModelStatus.kOptimal and start is not None:  # warm start
+                x0 = np.zeros(n)
+                for v in core:
+                    x0[col_of[v] + start[v]] = 1.0
+                for u, v, base, nc, rinv, cinv in classes:
+                    x0[base + rinv[start[u]] * nc + cinv[start[v]]] = 1.0
+                h.setSolution(n, np.arange(n, dtype=np.int32), x0)
+            h.run()
+            status = h.getModelStatus()
+            self.report.ilp_gap = h.getInfo().mip_gap
         if status == highspy.HighsModelStatus.kInfeasible:
             raise AutoInfeasible(
                 f"plan='auto': no plan meets memory_budget {_size(budget)} per rank together with the fixed "
