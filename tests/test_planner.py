@@ -118,10 +118,11 @@ def test_astar_matches_brute_force(mesh_shape, fuse):
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("mesh_shape,shape", [((2, 4), (8, 16)), ((4, 2), (8, 6, 4)), ((2, 2, 2), (4, 8))])
 def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
-    """One Dijkstra run from a source (what plan="auto" uses for all pairs) gives exactly the A*
-    costs, over every even placement incl. mixed reduce ops, shard orders and uneven-free states."""
+    """One Dijkstra run from a source, and the closed state graph (what plan="auto" uses for all
+    pairs), give exactly the A* costs over every even placement incl. mixed reduce ops and a
+    non-default shard order."""
     from fxshard.passes.annotate import is_even
-    from fxshard.planner import costs_from, plan_between
+    from fxshard.planner import costs_from, pairwise_costs, plan_between
 
     mesh = fxshard.MeshSpec(mesh_shape)
     cm = CostModel(mesh)
@@ -140,10 +141,12 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
     specs.append(ShardingSpec.make(mesh, (Shard(big),) * len(mesh_shape), shape, torch.float32,
                                    {big: tuple(reversed(range(len(mesh_shape))))}))
     assert is_even(specs[-1])
-    for a in specs:
+    table = pairwise_costs(specs, cm, even_only=True, fuse=fuse)
+    for i, a in enumerate(specs):
         got = costs_from(a, specs, cm, even_only=True, fuse=fuse)
         want = [plan_between(a, b, cm, even_only=True, fuse=fuse).cost for b in specs]
         assert got == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
+        assert table[i].tolist() == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
 
 
 def test_never_worse_than_torch_graph_planner():

@@ -47,7 +47,7 @@ from .. import strategies
 from ..adapter import Partial, Replicate, Shard, flop_count
 from ..cost import CostModel
 from ..mesh import MeshSpec
-from ..planner import costs_from, plan_between
+from ..planner import costs_from, pairwise_costs, plan_between
 from ..plans import PlanConstraints
 from ..spec import ShardingSpec, placements_str
 from .annotate import Annotator, _is_custom_op, _val, _where, custom_op_error, is_even, tensor_args
@@ -327,16 +327,26 @@ class AutoPlanner:
             return INF
 
     def _costs_from(self, a: int):
-        """Costs from spec ``a`` to every spec of the same value shape so far: one search from ``a``
-        (the solver asks for nearly all pairs among a value's placements)."""
-        self._searched.add(a)
+        """Costs from spec ``a`` to every spec of the same value shape so far (the solver asks for
+        nearly all pairs among a value's placements): the whole group's table at once the first
+        time (the planner's state graph, closed under min-plus), one search from ``a`` for a spec
+        registered after that."""
         sa = self.specs[a]
-        group = [b for b in self._by_shape.get((sa.shape, sa.dtype), ()) if b != a]
+        group = self._by_shape.get((sa.shape, sa.dtype), [])
         try:
-            costs = costs_from(sa, [self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse)
+            if not any(b in self._searched for b in group):
+                table = pairwise_costs([self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse)
+                self._searched.update(group)
+                for i, x in enumerate(group):
+                    self._cost.update(((x, y), c) for y, c in zip(group, table[i].tolist()) if x != y)
+                return
+            self._searched.add(a)
+            others = [b for b in group if b != a]
+            costs = costs_from(sa, [self.specs[b] for b in others], self.cm, even_only=True, fuse=self.fuse)
         except (ValueError, NotImplementedError):
+            self._searched.add(a)
             return  # pair by pair (unreachable targets cost INF there)
-        self._cost.update(((a, b), c) for b, c in zip(group, costs))
+        self._cost.update(((a, b), c) for b, c in zip(others, costs))
 
     def _placement_options(self, val, fixed_dim=None, fixed=None) -> list[ShardingSpec]:
         """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order."""

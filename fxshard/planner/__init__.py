@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -14,7 +15,8 @@ from ..mesh import MeshSpec
 from ..spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
 from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem, distances, solve
 
-__all__ = ["Step", "RedistributePlan", "plan_redistribute", "plan_between", "costs_from", "clear_plan_cache"]
+__all__ = ["Step", "RedistributePlan", "plan_redistribute", "plan_between", "costs_from", "pairwise_costs",
+           "clear_plan_cache"]
 
 _COLLECTIVE = {AG: "all_gather", A2A: "all_to_all", AR: "all_reduce", RS: "reduce_scatter",
                SHARD: None, MAKE_PARTIAL: None}
@@ -137,37 +139,129 @@ def plan_between(src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | N
     return (_plan_cached if cache else _plan)(src, dst, cm, even_only, fuse)
 
 
-def costs_from(src: ShardingSpec, dsts: Sequence[ShardingSpec], cost_model: CostModel | None = None,
-               even_only: bool = False, fuse: bool = False) -> list[float]:
-    """``[plan_between(src, d).cost for d in dsts]``, from one search over every state reachable from
-    ``src`` (Dijkstra on the planner's own moves) rather than one search per target: what a global
-    placement solver needs, every pair among a value's candidate placements.  Same costs as
-    ``plan_between``; targets it cannot reach that way (mixed reduce ops) are planned one by one."""
-    cm = cost_model or CostModel(src.mesh)
+def _op_runs(parts: list[dict]) -> list[tuple[dict, list[int]]]:
+    """Targets grouped into searches: a search fixes one reduce op per partial mesh dim, and holds
+    every target whose partial dims agree with it (targets without partial dims join the first)."""
+    runs: list[tuple[dict, list[int]]] = []
+    for i, p in enumerate(parts):
+        for ops, members in runs:
+            if all(ops.get(m, o) == o for m, o in p.items()):
+                ops.update(p)
+                members.append(i)
+                break
+        else:
+            runs.append((dict(p), [i]))
+    return runs
+
+
+def _run_setup(dsts, parts, members):
+    pmask = {i: sum(1 << m for m in parts[i]) for i in members}
+    union = 0
+    for x in pmask.values():
+        union |= x
+    return pmask, union, frozenset(dsts[i].levels for i, x in pmask.items() if x)
+
+
+def _plain(spec: ShardingSpec) -> bool:
+    return all(sf == 1 for st in spec.levels for _, sf in st)
+
+
+def _check_group(src, dsts):
     for d in dsts:
         if d.mesh.shape != src.mesh.shape or d.shape != src.shape:
             raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {d.mesh}/{d.shape}")
-    sp = _partials(src)
+
+
+def _fill_by_plan(out, src, dsts, cm, even_only, fuse):
+    for i, (c, d) in enumerate(zip(out, dsts)):
+        if c is None:
+            try:
+                out[i] = _plan(src, d, cm, even_only, fuse).cost
+            except ValueError:  # no path (even_only: every route passes an uneven state)
+                out[i] = math.inf
+    return out
+
+
+def costs_from(src: ShardingSpec, dsts: Sequence[ShardingSpec], cost_model: CostModel | None = None,
+               even_only: bool = False, fuse: bool = False) -> list[float]:
+    """``[plan_between(src, d).cost for d in dsts]``, from one search over every state reachable from
+    ``src`` (Dijkstra on the planner's own moves) per set of target reduce ops, rather than one
+    search per target.  Same costs as ``plan_between``; strided shards are planned one by one, and
+    targets no plan reaches (``even_only`` with no evenly sharded route) cost ``math.inf``."""
+    cm = cost_model or CostModel(src.mesh)
+    _check_group(src, dsts)
     parts = [_partials(d) for d in dsts]
-    op_of = [set(p.values()) for p in parts]
-    # one search per target reduce op (a state holds partial dims of at most two ops: the source's,
-    # still to reduce, and the target's); sources mixing ops are planned pair by pair
-    runs = sorted(set().union(*op_of)) or ["sum"]
-    if len(set(sp.values())) > 1:
-        runs = []
     out: list = [None] * len(dsts)
-    for k, op in enumerate(runs):
-        want = [i for i, o in enumerate(op_of) if o == {op} or (not o and k == 0)]
-        pmask = {i: sum(1 << m for m in parts[i]) for i in want}
-        union = 0
-        for x in pmask.values():
-            union |= x
-        stacks = frozenset(dsts[i].levels for i, x in pmask.items() if x)
-        dist = distances(cm, src.mesh.shape, src.levels, sp, stacks, union, op, src.nbytes, src.shape,
-                         even_only, fuse)
-        for i, x in pmask.items():
-            out[i] = dist.get((dsts[i].levels, x))
-    return [c if c is not None else _plan(src, d, cm, even_only, fuse).cost for c, d in zip(out, dsts)]
+    if _plain(src):
+        idx = [i for i, d in enumerate(dsts) if _plain(d)]
+        for ops, members in _op_runs([parts[i] for i in idx]):
+            members = [idx[j] for j in members]
+            pmask, union, stacks = _run_setup(dsts, parts, members)
+            dist = distances(cm, src.mesh.shape, src.levels, _partials(src), stacks, union, ops, src.nbytes,
+                             src.shape, even_only, fuse)
+            for i, x in pmask.items():
+                out[i] = dist.get((dsts[i].levels, x))
+    return _fill_by_plan(out, src, dsts, cm, even_only, fuse)
+
+
+def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None = None, even_only: bool = False,
+                   fuse: bool = False) -> torch.Tensor:
+    """``[i, j] = plan_between(specs[i], specs[j]).cost`` for specs of one value (same mesh, shape,
+    dtype), all at once: the planner's state graph (the moves ``solve`` uses, recorded while
+    exploring from the sources until every state reachable from any of them is expanded) is closed
+    under min-plus (Floyd-Warshall, vectorised), once per set of target reduce ops.  Strided shards
+    are planned pair by pair; unreachable is inf."""
+    n = len(specs)
+    out = torch.full((n, n), math.inf, dtype=torch.float64)
+    if not n:
+        return out
+    s0 = specs[0]
+    cm = cost_model or CostModel(s0.mesh)
+    _check_group(s0, specs)
+    parts = [_partials(s) for s in specs]
+    plain = [i for i, s in enumerate(specs) if _plain(s)]
+    for ops, members in _op_runs([parts[i] for i in plain]):
+        members = [plain[j] for j in members]
+        pmask, union, stacks = _run_setup(specs, parts, members)
+        graph: dict = {}
+        starts = {}
+        for i in plain:
+            keep = sum(1 << m for m, o in parts[i].items() if ops.get(m) == o)
+            start = (specs[i].levels, sum(1 << m for m in parts[i]) & ~keep, keep)
+            starts[i] = start
+            if start not in graph:  # else: everything reachable from it is expanded already
+                distances(cm, s0.mesh.shape, specs[i].levels, parts[i], stacks, union, ops, s0.nbytes, s0.shape,
+                          even_only, fuse, graph=graph)
+        idx = {st: a for a, st in enumerate(graph)}
+        N = len(idx)
+        D = torch.full((N, N), math.inf, dtype=torch.float64)
+        src_i, dst_i, w = [], [], []
+        for st, nbrs in graph.items():
+            a = idx[st]
+            for t, c in nbrs:
+                b = idx.get(t)
+                if b is not None:
+                    src_i.append(a)
+                    dst_i.append(b)
+                    w.append(c)
+        if w:  # parallel moves between two states: the cheaper one
+            flat = torch.tensor(src_i) * N + torch.tensor(dst_i)
+            D.view(-1).scatter_reduce_(0, flat, torch.tensor(w, dtype=torch.float64), "amin")
+        D.fill_diagonal_(0.0)
+        for m in range(N):  # Floyd-Warshall
+            D = torch.minimum(D, D[:, m:m + 1] + D[m:m + 1, :])
+        goals = [(j, idx.get((specs[j].levels, 0, pmask[j]))) for j in members]
+        goals = [(j, g) for j, g in goals if g is not None]
+        if goals:
+            rows = torch.tensor([idx[starts[i]] for i in plain])
+            sub = D[rows][:, torch.tensor([g for _, g in goals])]
+            out[torch.tensor(plain)[:, None], torch.tensor([j for j, _ in goals])[None, :]] = sub
+    rest = [i for i in range(n) if i not in set(plain)]
+    for i in range(n) if rest else ():  # strided shards: pair by pair
+        cols = list(range(n)) if i in rest else rest
+        out[i, cols] = torch.tensor(_fill_by_plan([None] * len(cols), specs[i], [specs[j] for j in cols], cm,
+                                                  even_only, fuse), dtype=torch.float64)
+    return out
 
 
 @lru_cache(maxsize=16384)

@@ -232,12 +232,13 @@ class Problem:
         return h
 
 
-def solve(problem: Problem, exhaust: frozenset | None = None):
+def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None = None):
     """Return (cost, [(Move, cost), ...], [state, ...]) of a min-cost path.
 
     ``exhaust``: instead, the min cost from the source to every reachable state (a Dijkstra run over
     the same moves, for ``distances``); its members are the target shard stacks at which a
-    replicated dim may be made partial.
+    replicated dim may be made partial.  ``graph`` (with ``exhaust``): filled with every expanded
+    state's moves, ``{(stacks, pa, pb): [((stacks, pa, pb), cost), ...]}``, for ``pairwise_costs``.
 
     States are encoded as a tuple of ints: one per tensor dim (its stack of levels as digits, the
     innermost level in the lowest digit; 0 is empty), then the two partial masks.  Hashing and
@@ -265,12 +266,17 @@ def solve(problem: Problem, exhaust: frozenset | None = None):
             v = v * B + code[lev]
         return v
 
+    dec_memo: dict = {}
+
     def dec(v):
-        out = []
-        while v:
-            out.append(decode[v % B])
-            v //= B
-        return tuple(reversed(out))
+        st = dec_memo.get(v)
+        if st is None:
+            out, x = [], v
+            while x:
+                out.append(decode[x % B])
+                x //= B
+            st = dec_memo[v] = tuple(reversed(out))
+        return st
 
     tgt_v = [enc(st) for st in P.dst_levels]
     prefix_ok = []
@@ -287,13 +293,19 @@ def solve(problem: Problem, exhaust: frozenset | None = None):
     tcodes = [[(d2, sf2, code[(m, sf2)]) for d2, sf2 in targets[m]] for m in range(M)]
     even_only, shape = P.even_only, P.shape
 
+    fits_memo: dict = {}
+
     def fits(d, v):  # every level of the stack splits its extent exactly
-        e = shape[d]
-        for mm, sff in dec(v):
-            if e % (k[mm] * sff):
-                return False
-            e //= k[mm]
-        return True
+        ok = fits_memo.get((d, v))
+        if ok is None:
+            e, ok = shape[d], True
+            for mm, sff in dec(v):
+                if e % (k[mm] * sff):
+                    ok = False
+                    break
+                e //= k[mm]
+            fits_memo[(d, v)] = ok
+        return ok
 
     lvl_lb, lb_pa, lb_pb = P.lvl_lb, P.lb_pa, P.lb_pb
     cand_mask, gather_lb = P.cand_mask, P.gather_lb
@@ -321,6 +333,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None):
     if exhaust is not None:
         ub, goal = inf, None
         exhaust = {tuple(enc(st) for st in stacks) for stacks in exhaust}
+
+    def key(st):  # a state as plain levels, comparable across searches
+        return tuple(dec(st[d]) for d in range(T)), st[T], st[T + 1]
     while heap:
         _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
@@ -427,6 +442,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None):
                     for mm, _ in st:
                         nmask |= 1 << mm
                 nbrs.append(((*[enc(st) for st in nst], npa2, npb2), cost, nsh, nmask, dh, move))
+        if graph is not None:
+            graph[key(state)] = [(key(x[0]), x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, dh, move in nbrs:
             ng = gcost + step_cost
             if new_state == goal and ng < ub:
@@ -575,21 +592,20 @@ def direct_plan_cost(P: Problem) -> float | None:
     return cost
 
 
-def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stacks, target_pmask: int, op: str,
-              global_bytes, shape, even_only=False, fuse=False) -> dict:
+def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stacks, target_pmask: int, ops: dict,
+              global_bytes, shape, even_only=False, fuse=False, graph: dict | None = None) -> dict:
     """Min cost from one source to every reachable state, over exactly the moves ``solve`` uses:
     ``{(shard stacks, partial mask): cost}``.  One run replaces a plan per target: the automatic
-    planner asks for every pair among a value's candidate placements.  Target partial dims reduce
-    with ``op``; source partial dims with ``op`` may stay, with another op they must be reduced (as
-    ``solve`` treats them).  ``target_stacks`` are the stacks at which a replicated dim may be made
-    partial (the targets holding partial dims), ``target_pmask`` the dims they hold partial.
-    Plain Dijkstra: no heuristic, no scratch-dim pruning (every target is a goal)."""
+    planner asks for every pair among a value's candidate placements.  ``ops``: the reduce op of each
+    mesh dim the targets hold partial (``target_pmask``); a source partial dim with that op may stay,
+    any other must be reduced (as ``solve`` treats them).  ``target_stacks`` are the stacks at which
+    a replicated dim may be made partial (the targets holding partial dims).  Plain Dijkstra: no
+    heuristic, no scratch-dim pruning (every target is a goal)."""
     M, T = len(mesh_shape), len(src_levels)
-    dst_partial = {m: op for m in range(M)}
-    P = Problem(cost_model, mesh_shape, src_levels, tuple(() for _ in range(T)), src_partial, dst_partial,
+    P = Problem(cost_model, mesh_shape, src_levels, tuple(() for _ in range(T)), src_partial, dict(ops),
                 global_bytes, shape, even_only, fuse)
     P.dst_pmask = target_pmask
-    keep = sum(1 << m for m, o in src_partial.items() if o == op)
+    keep = sum(1 << m for m, o in src_partial.items() if ops.get(m) == o)
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
     # a zero heuristic: Dijkstra
     P.lvl_lb, P.lb_pa, P.lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
@@ -597,4 +613,4 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     P._table, P._bit_of, P._hag = [0.0], {}, {}
     P.scratch, P.scratch_set = [], set()
     P.base_share = 0.0
-    return solve(P, exhaust=frozenset(target_stacks))
+    return solve(P, exhaust=frozenset(target_stacks), graph=graph)
