@@ -291,6 +291,7 @@ class AutoPlanner:
         self._cost: dict = {}
         self._by_shape: dict[tuple, list[int]] = {}  # (shape, dtype) -> spec ids
         self._searched: set[int] = set()  # spec ids whose costs to their group are known
+        self._tables: dict[tuple, tuple[dict, torch.Tensor]] = {}  # (shape, dtype) -> (spec id -> row, costs)
         self.vars: list[_Var] = []
         self.var_of: dict[fx.Node, int] = {}
         self.factors: dict[tuple[int, int], torch.Tensor] = {}
@@ -315,8 +316,17 @@ class AutoPlanner:
                 self._costs_from(a)
                 c = self._cost.get((a, b))
             if c is None:
+                c = self._tabled(a, b)
+            if c is None:
                 c = self._cost[(a, b)] = self._plan_cost(self.specs[a], self.specs[b])
         return c
+
+    def _tabled(self, a: int, b: int) -> float | None:
+        sa = self.specs[a]
+        hit = self._tables.get((sa.shape, sa.dtype))
+        if hit is not None and a in hit[0] and b in hit[0]:
+            return float(hit[1][hit[0][a], hit[0][b]])
+        return None
 
     def _plan_cost(self, sa: ShardingSpec, sb: ShardingSpec) -> float:
         if sa.levels == sb.levels and sa.placements == sb.placements:
@@ -337,8 +347,7 @@ class AutoPlanner:
             if not any(b in self._searched for b in group):
                 table = pairwise_costs([self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse)
                 self._searched.update(group)
-                for i, x in enumerate(group):
-                    self._cost.update(((x, y), c) for y, c in zip(group, table[i].tolist()) if x != y)
+                self._tables[(sa.shape, sa.dtype)] = ({b: i for i, b in enumerate(group)}, table)
                 return
             self._searched.add(a)
             others = [b for b in group if b != a]
@@ -586,6 +595,17 @@ class AutoPlanner:
         self.factors[(u, v)] = table.clone() if f is None else f + table
 
     def _table(self, out_ids: list[int], in_ids: list[int]) -> torch.Tensor:
+        if out_ids and all(a not in self._searched for a in out_ids):
+            for a in out_ids:  # the value's whole table, computed once
+                if a not in self._searched:
+                    self._costs_from(a)
+        key = (self.specs[out_ids[0]].shape, self.specs[out_ids[0]].dtype) if out_ids else None
+        hit = self._tables.get(key)
+        if hit is not None and all(i in hit[0] for i in out_ids) and all(i in hit[0] for i in in_ids):
+            pos, t = hit
+            same = torch.tensor([a == b for a in out_ids for b in in_ids]).view(len(out_ids), len(in_ids))
+            sub = t[torch.tensor([pos[a] for a in out_ids])][:, torch.tensor([pos[b] for b in in_ids])]
+            return torch.where(same, torch.zeros_like(sub), sub)
         uo = sorted(set(out_ids))
         ui = sorted(set(in_ids))
         m = torch.tensor([[self.cost(a, b) for b in ui] for a in uo], dtype=torch.float64)
@@ -939,73 +959,67 @@ class AutoPlanner:
         import highspy
         import numpy as np
 
-        col_of = {}
-        costs, ub = [], []
+        # columns: x[v, s] per core variable and state, then y per edge and (row class, col class)
+        # pair; rows as COO triplets, converted to the compressed form HiGHS takes
+        col_of, cost_parts = {}, []
+        n = 0
         for v in core:
-            col_of[v] = len(costs)
-            u = unary[v]
-            for s in range(len(u)):
-                c = float(u[s])
-                costs.append(c if math.isfinite(c) else 0.0)
-                ub.append(1.0 if math.isfinite(c) else 0.0)
-        nx = len(costs)
-        rows_lo, rows_hi, rows = [], [], []  # rows as (cols, vals)
-        for v in core:
-            n = len(unary[v])
-            rows.append((list(range(col_of[v], col_of[v] + n)), [1.0] * n))
-            rows_lo.append(1.0)
-            rows_hi.append(1.0)
+            col_of[v] = n
+            cost_parts.append(unary[v].numpy())
+            n += len(unary[v])
+        nx = n
+        r_idx, c_idx, vals = [], [], []
+        lo, hi = [np.ones(len(core))], [np.ones(len(core))]
+        nrow = len(core)
+        for k, v in enumerate(core):  # one state per variable
+            m = len(unary[v])
+            r_idx.append(np.full(m, k))
+            c_idx.append(np.arange(col_of[v], col_of[v] + m))
+            vals.append(np.ones(m))
         classes = []  # per edge: (u, v, first marginal column, row class per u state, col class per v state)
         for (u, v), t in sorted(factors.items()):
             # states with identical rows / columns act alike on this edge: one marginal per class
             rk, rinv = torch.unique(t, dim=0, return_inverse=True)
             ck, cinv = torch.unique(rk, dim=1, return_inverse=True)
-            base = len(costs)
             nr, nc = ck.shape
-            classes.append((u, v, base, nc, rinv.tolist(), cinv.tolist()))
-            for i in range(nr):
-                for j in range(nc):
-                    c = float(ck[i, j])
-                    costs.append(c if math.isfinite(c) else 0.0)
-                    ub.append(1.0 if math.isfinite(c) else 0.0)
-            for i in range(nr):  # sum_j y[i, j] = sum of x[u, a] over the row class i
-                cols = [base + i * nc + j for j in range(nc)] + \
-                    [col_of[u] + a for a in range(t.shape[0]) if int(rinv[a]) == i]
-                rows.append((cols, [1.0] * nc + [-1.0] * (len(cols) - nc)))
-                rows_lo.append(0.0)
-                rows_hi.append(0.0)
-            for j in range(nc):
-                cols = [base + i * nc + j for i in range(nr)] + \
-                    [col_of[v] + b for b in range(t.shape[1]) if int(cinv[b]) == j]
-                rows.append((cols, [1.0] * nr + [-1.0] * (len(cols) - nr)))
-                rows_lo.append(0.0)
-                rows_hi.append(0.0)
+            rinv, cinv = rinv.numpy(), cinv.numpy()
+            classes.append((u, v, n, nc, rinv, cinv))
+            cost_parts.append(ck.reshape(-1).numpy())
+            y = n + np.arange(nr * nc).reshape(nr, nc)
+            # sum_j y[i, j] = sum of x[u, a] over row class i;  sum_i y[i, j] = sum of x[v, b] over col class j
+            r_idx += [np.repeat(nrow + np.arange(nr), nc), nrow + rinv,
+                      np.repeat(nrow + nr + np.arange(nc), nr), nrow + nr + cinv]
+            c_idx += [y.reshape(-1), col_of[u] + np.arange(len(rinv)),
+                      y.T.reshape(-1), col_of[v] + np.arange(len(cinv))]
+            vals += [np.ones(nr * nc), -np.ones(len(rinv)), np.ones(nr * nc), -np.ones(len(cinv))]
+            lo.append(np.zeros(nr + nc))
+            hi.append(np.zeros(nr + nc))
+            nrow += nr + nc
+            n += nr * nc
         if budget is not None:
-            cols, vals = [], []
-            for v in core:
-                if v in memory:
-                    for s, m in enumerate(memory[v].tolist()):
-                        cols.append(col_of[v] + s)
-                        vals.append(m / 2**20)  # MiB: bytes would make the row badly scaled
-            rows.append((cols, vals))
-            rows_lo.append(-highspy.kHighsInf)
-            rows_hi.append(float(budget) / 2**20)
+            mv = [v for v in core if v in memory]
+            r_idx.append(np.full(sum(len(memory[v]) for v in mv), nrow))
+            c_idx += [np.arange(col_of[v], col_of[v] + len(memory[v])) for v in mv]
+            vals += [memory[v].numpy() / 2**20 for v in mv]  # MiB: bytes would make the row badly scaled
+            lo.append(np.array([-highspy.kHighsInf]))
+            hi.append(np.array([float(budget) / 2**20]))
+            nrow += 1
+        costs = np.concatenate(cost_parts).astype(np.float64)
+        ub = np.where(np.isfinite(costs), 1.0, 0.0)  # an infinite cost: that state / pair is excluded
+        costs = np.where(np.isfinite(costs), costs, 0.0)
+        r_idx, c_idx, vals = np.concatenate(r_idx), np.concatenate(c_idx), np.concatenate(vals)
+        order = np.argsort(r_idx, kind="stable")
+        starts = np.searchsorted(r_idx[order], np.arange(nrow)).astype(np.int32)
         h = highspy._Highs()  # the core class: Highs() prints a banner to stdout when constructed
         h.setOptionValue("output_flag", False)
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("threads", 1)
         h.setOptionValue("time_limit", float(self.opt.time_limit_s))
         h.setOptionValue("mip_rel_gap", float(self.opt.mip_gap))
-        n = len(costs)
-        h.addCols(n, np.array(costs), np.zeros(n), np.array(ub), 0, np.array([], dtype=np.int32),
-                  np.array([], dtype=np.int32), np.array([]))
-        starts, idx, vals = [], [], []
-        for cols, vs in rows:
-            starts.append(len(idx))
-            idx += cols
-            vals += vs
-        h.addRows(len(rows), np.array(rows_lo), np.array(rows_hi), len(idx), np.array(starts, dtype=np.int32),
-                  np.array(idx, dtype=np.int32), np.array(vals, dtype=np.float64))
+        h.addCols(n, costs, np.zeros(n), ub, 0, np.array([], dtype=np.int32), np.array([], dtype=np.int32),
+                  np.array([]))
+        h.addRows(nrow, np.concatenate(lo), np.concatenate(hi), len(order), starts,
+                  c_idx[order].astype(np.int32), vals[order].astype(np.float64))
         self.report.ilp_variables = len(core)
         self.report.ilp_columns = n
         # The LP relaxation first: on this (marginal) formulation it is nearly integral and its value

@@ -13,7 +13,7 @@ from ..adapter import Partial, Replicate, Shard, StridedShard, placement_kind
 from ..cost import CostModel
 from ..mesh import MeshSpec
 from ..spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
-from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem, distances, solve
+from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem, distances, solve, state_key
 
 __all__ = ["Step", "RedistributePlan", "plan_redistribute", "plan_between", "costs_from", "pairwise_costs",
            "clear_plan_cache"]
@@ -220,6 +220,7 @@ def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None =
     _check_group(s0, specs)
     parts = [_partials(s) for s in specs]
     plain = [i for i, s in enumerate(specs) if _plain(s)]
+    M = s0.mesh.ndim
     for ops, members in _op_runs([parts[i] for i in plain]):
         members = [plain[j] for j in members]
         pmask, union, stacks = _run_setup(specs, parts, members)
@@ -227,7 +228,7 @@ def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None =
         starts = {}
         for i in plain:
             keep = sum(1 << m for m, o in parts[i].items() if ops.get(m) == o)
-            start = (specs[i].levels, sum(1 << m for m in parts[i]) & ~keep, keep)
+            start = state_key(specs[i].levels, sum(1 << m for m in parts[i]) & ~keep, keep, M)
             starts[i] = start
             if start not in graph:  # else: everything reachable from it is expanded already
                 distances(cm, s0.mesh.shape, specs[i].levels, parts[i], stacks, union, ops, s0.nbytes, s0.shape,
@@ -250,7 +251,7 @@ def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None =
         D.fill_diagonal_(0.0)
         for m in range(N):  # Floyd-Warshall
             D = torch.minimum(D, D[:, m:m + 1] + D[m:m + 1, :])
-        goals = [(j, idx.get((specs[j].levels, 0, pmask[j]))) for j in members]
+        goals = [(j, idx.get(state_key(specs[j].levels, 0, pmask[j], M))) for j in members]
         goals = [(j, g) for j, g in goals if g is not None]
         if goals:
             rows = torch.tensor([idx[starts[i]] for i in plain])

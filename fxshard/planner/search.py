@@ -334,8 +334,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         ub, goal = inf, None
         exhaust = {tuple(enc(st) for st in stacks) for stacks in exhaust}
 
-    def key(st):  # a state as plain levels, comparable across searches
-        return tuple(dec(st[d]) for d in range(T)), st[T], st[T + 1]
+    if graph is not None and B != M + 1:
+        raise ValueError("solve(graph=...) takes plain shards only (no strided levels)")
     while heap:
         _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
@@ -442,8 +442,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                     for mm, _ in st:
                         nmask |= 1 << mm
                 nbrs.append(((*[enc(st) for st in nst], npa2, npb2), cost, nsh, nmask, dh, move))
-        if graph is not None:
-            graph[key(state)] = [(key(x[0]), x[1]) for x in nbrs]
+        if graph is not None:  # encoded states: plain levels code alike in every search (see state_key)
+            graph[state] = [(x[0], x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, dh, move in nbrs:
             ng = gcost + step_cost
             if new_state == goal and ng < ub:
@@ -590,6 +590,19 @@ def direct_plan_cost(P: Problem) -> float | None:
             cost += P.lat[ALL_GATHER, m] + P.fac[ALL_GATHER, m] * g / shards
             shards //= k[m]
     return cost
+
+
+def state_key(levels, pa: int, pb: int, mesh_ndim: int) -> tuple:
+    """A state as ``solve`` encodes it when every level is a plain shard: per tensor dim its stack as
+    digits base ``mesh_ndim + 1`` (mesh dim m is digit m + 1, innermost lowest), then the masks."""
+    B = mesh_ndim + 1
+    out = []
+    for st in levels:
+        v = 0
+        for m, _ in st:
+            v = v * B + m + 1
+        out.append(v)
+    return (*out, pa, pb)
 
 
 def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stacks, target_pmask: int, ops: dict,
