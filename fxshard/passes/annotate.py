@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from .. import strategies
 from ..adapter import Partial, Replicate, Shard, is_strided_shard
@@ -44,9 +43,34 @@ def is_even(spec: ShardingSpec) -> bool:
     return True
 
 
+def flat_args(x, out: list | None = None) -> list:
+    """Leaves of nested lists / tuples / dicts in ``tree_flatten`` order (FX arguments hold only
+    those containers; pytree's general machinery is the slow part of a pass over a large graph)."""
+    out = [] if out is None else out
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):  # pytree keeps a Size whole
+        for y in x:
+            flat_args(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            flat_args(y, out)
+    else:
+        out.append(x)
+    return out
+
+
+def arg_key(x, leaf):
+    """A hashable key of nested arguments: containers by type and length, leaves through ``leaf``."""
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        return (type(x).__name__, tuple(arg_key(y, leaf) for y in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, arg_key(y, leaf)) for k, y in x.items()))
+    return leaf(x)
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node | None]:
     """The node's tensor inputs in tree_flatten order of (args, kwargs) (what the rules count)."""
-    leaves, _ = tree_flatten((tuple(node.args), dict(node.kwargs)))
+    leaves = flat_args(node.args)
+    flat_args(node.kwargs, leaves)
     return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
@@ -390,11 +414,14 @@ def _is_custom_op(op) -> bool:
     return name().split("::")[0] not in ("aten", "prims", "fxshard")
 
 
+def _leaf_key(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype)
+    return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
+
+
 def _shape_key(x):
-    leaves, spec = tree_flatten(x)
-    return (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else
-                             (v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v))
-                             for v in leaves))
+    return arg_key(x, _leaf_key)
 
 
 def annotate(gm: fx.GraphModule, mesh: MeshSpec, constraints: PlanConstraints, *, cost_model: CostModel | None = None,

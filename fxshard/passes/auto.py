@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from .. import strategies
 from ..adapter import Partial, Replicate, Shard, flop_count
@@ -50,7 +49,7 @@ from ..mesh import MeshSpec
 from ..planner import costs_from, pairwise_costs, plan_between
 from ..plans import PlanConstraints
 from ..spec import ShardingSpec, placements_str
-from .annotate import Annotator, _is_custom_op, _val, _where, custom_op_error, is_even, tensor_args
+from .annotate import Annotator, _is_custom_op, _val, _where, arg_key, custom_op_error, flat_args, is_even, tensor_args
 from .capture import BOUNDARY, BUFFER, CONSTANT, GRAD_TAG, INPUT, PARAM, TANGENT, info
 
 log = logging.getLogger("fxshard")
@@ -251,12 +250,11 @@ def _signature(nodes: list[fx.Node], prefix: str) -> list:
     sig = []
     for n in nodes:
         v = n.meta.get("val")
-        shape = tuple((tuple(x.shape), x.dtype) for x in tree_flatten(v)[0] if isinstance(x, torch.Tensor))
-        leaves, spec = tree_flatten((tuple(n.args), dict(n.kwargs)))
+        shape = tuple((tuple(x.shape), x.dtype) for x in flat_args(v) if isinstance(x, torch.Tensor))
         rec = info(n)
         sig.append((n.op, str(n.target) if n.op == "call_function" else None, rec.kind,
                     rec.fqn[len(prefix):] if rec.fqn else None, shape,
-                    str(spec), tuple(arg(a) for a in leaves)))
+                    arg_key((n.args, n.kwargs), arg)))
     return sig
 
 
