@@ -43,7 +43,7 @@ from .plans import PlanConstraints, resolve_plan
 
 log = logging.getLogger("fxshard")
 
-OPTIONS = ("mesh", "plan", "tp_dim", "fuse", "bucket_bytes", "cost_model", "inductor", "simulate")
+OPTIONS = ("mesh", "plan", "tp_dim", "fuse", "bucket_bytes", "cost_model", "inductor", "simulate", "auto_options")
 
 
 def device_of(device_mesh) -> torch.device:
@@ -309,6 +309,7 @@ class BackendOptions:
     cost_model: object = None
     inductor: bool = True
     simulate: bool = False
+    auto_options: object = None  # fxshard.AutoOptions, with plan="auto" (or a "*": "auto" entry)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -325,11 +326,9 @@ class BackendOptions:
                 f"RowwiseParallel()}} ({{}} for none); add \"simulate\": True with a MeshSpec to run every rank "
                 f"in one process")
         opts = cls(**options)
-        if opts.plan == "auto":
-            raise NotImplementedError("fxshard backend: plan=\"auto\" is not built yet; pass a plan")
-        if not isinstance(opts.plan, dict):
-            raise TypeError(f"fxshard backend: plan must be a dict of module FQN -> ParallelStyle, got "
-                            f"{type(opts.plan).__name__}")
+        if not isinstance(opts.plan, dict) and opts.plan != "auto":
+            raise TypeError(f"fxshard backend: plan must be a dict of module FQN -> ParallelStyle or \"auto\", got "
+                            f"{opts.plan!r}")
         if isinstance(opts.mesh, (tuple, list)):
             opts.mesh = MeshSpec(tuple(opts.mesh))
         if isinstance(opts.mesh, MeshSpec) and not opts.simulate:
@@ -353,6 +352,8 @@ class _PlanScope:
     def resolve(self, opts: BackendOptions, frame_modules: dict[str, nn.Module]) -> tuple[PlanConstraints, dict]:
         mesh = opts.mesh_spec
         if not frame_modules:
+            if opts.plan == "auto":
+                return resolve_plan("auto", None, mesh, opts.tp_dim), {}
             if opts.plan:
                 raise ValueError("fxshard backend: a module plan needs torch.compile of an nn.Module (this graph "
                                  "has no module parameters); pass plan={} for plain functions")
@@ -460,7 +461,8 @@ class ShardedGraph:
         first = next((p.meta["val"] for p in c.gm.graph.nodes if p.op == "placeholder" and info(p).kind == INPUT), None)
         c.batch_size = first.shape[0] if first is not None and first.ndim else None
         replicated = tuple(Replicate() for _ in range(mesh.ndim))
-        api.annotate(c, output_placements=[replicated] * self.num_outputs)
+        api.annotate(c, output_placements=[replicated] * self.num_outputs,
+                     auto_options=opts.auto_options if self.constraints.auto else None)
         api.redistribute(c)
         prog = api.program(c)
         self.programs.append(prog)

@@ -43,6 +43,10 @@ class ParallelModule(nn.Module):
 
         if not dist.is_initialized():
             raise RuntimeError("fxshard.parallelize needs an initialised process group and a DeviceMesh")
+        if plan == "auto" or (isinstance(plan, dict) and "auto" in [s for s in plan.values() if isinstance(s, str)]):
+            raise ValueError("fxshard.parallelize shards the parameters when it is built, before any input is seen, "
+                             "so it needs a plan that places them; for plan=\"auto\" use torch.compile(model, "
+                             "backend=\"fxshard\", options={\"mesh\": ..., \"plan\": \"auto\"}) or fxshard.shard")
         self.module = model
         self.device_mesh = device_mesh
         self.mesh = MeshSpec.from_device_mesh(device_mesh)

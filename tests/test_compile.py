@@ -4,6 +4,7 @@ Breadth runs in this process (the backend's ``simulate`` option: every rank, exa
 the end-to-end checks run Inductor's output on real gloo process groups (2 and 4 ranks, slow).
 """
 
+import copy
 from collections import Counter
 
 import e2e_workers
@@ -62,6 +63,33 @@ def test_backend_matches_single_device(name, mesh, plan, expect):
     direct = _kinds(fxshard.shard(model, mesh, plan(), example_inputs=x))
     for kind, n in direct.items():
         assert expect.get(kind, 0) >= n
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_backend_plan_auto_matches_single_device(training):
+    """plan="auto" through torch.compile: dynamo's capture marks the repeated layers too (layer 1
+    shares layer 0's decisions), a memory budget forces parameter sharding, outputs (and, under
+    autograd, the joint graph's parameter gradients) equal single device."""
+    model = init_weights(Llama())
+    ref = copy.deepcopy(model)
+    x = example_input(model)
+    hand = fxshard.shard(model, MESH_TP, megatron_tp_plan(), example_inputs=x, training=training).modelled_cost()
+    budget = hand["state_bytes"] * (4 if training else 1)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="fxshard", options={
+        "mesh": MESH_TP, "plan": "auto", "simulate": True, "auto_options": fxshard.AutoOptions(memory_budget=budget)})
+    with torch.set_grad_enabled(training):
+        out, want = f(*x), ref(*x)
+    _close(out, want)
+    if training:
+        out.float().pow(2).mean().backward()
+        want.float().pow(2).mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            _close(p.grad, q.grad)
+    prog = compiled_programs()[-1]
+    rep = prog.captured.auto
+    assert rep is not None and rep.shared_layers == 1 and rep.memory_bytes <= budget, str(rep)
+    assert any(info(n).spec.num_shards > 1 for n in prog.graph.graph.nodes if info(n).kind == "param")
 
 
 def test_backend_without_plan_entries_replicates_and_matches():
