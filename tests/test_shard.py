@@ -184,3 +184,36 @@ def test_custom_op_without_rule_is_an_error():
     with pytest.raises(ValueError, match=r"custom op with no sharding rule; register one, e.g. fxshard.register_rule"):
         fxshard.shard(lambda x: cumulative(x * 2) + 1, M1_2, example_inputs=(torch.randn(8, 4),),
                       input_placements=[(Shard(0),)])
+
+
+def test_rule_leaving_a_read_output_unplaced_is_skipped(monkeypatch, caplog):
+    """A rule (torch versions differ here) that gives a tensor output no placement cannot be chosen
+    when something reads that output: the next candidate, or the replicated fallback, is taken
+    instead of handing consumers nothing (seen as a crash on torch 2.11)."""
+    from fxshard import strategies
+
+    real = strategies.candidates
+    relu = torch.ops.aten.relu.default
+
+    def patched(op, args, kwargs, device_mesh, input_placements):
+        out = real(op, args, kwargs, device_mesh, input_placements)
+        if op is relu and out not in (None, "factory"):
+            return [(ins, (None,)) for ins, _ in out]  # every candidate leaves the output unplaced
+        return out
+
+    monkeypatch.setattr(strategies, "candidates", patched)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.fc(x)))
+
+    m = M()
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="fxshard"):
+        prog = fxshard.shard(m, fxshard.MeshSpec((2,)), plan={"fc": ColwiseParallel()}, example_inputs=(x,))
+    assert any("relu" in r.getMessage() and "replicated" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(prog.simulate(x), m(x), rtol=1e-5, atol=1e-5)

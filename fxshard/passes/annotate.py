@@ -67,6 +67,19 @@ def arg_key(x, leaf):
     return leaf(x)
 
 
+def used_outputs(node: fx.Node) -> set[int]:
+    """Indices of the node's outputs something reads (getitem users of a multi-output op)."""
+    if isinstance(node.meta.get("val"), (tuple, list)):
+        return {u.args[1] for u in node.users if u.target is operator.getitem}
+    return {0} if node.users else set()
+
+
+def leaves_used_output_unplaced(used: set[int], out_specs, outs) -> bool:
+    """A rule that gives a read tensor output no placement leaves its consumers nothing to start from."""
+    return any(s is None and isinstance(v, torch.Tensor) and i in used
+               for i, (s, v) in enumerate(zip(out_specs, outs)))
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node | None]:
     """The node's tensor inputs in tree_flatten order of (args, kwargs) (what the rules count)."""
     leaves = flat_args(node.args)
@@ -286,6 +299,7 @@ class Annotator:
             return None
         best = None
         if cands:
+            used = used_outputs(node)
             for ins, o in cands:
                 try:
                     specs = self._specs_for(ins, targs, cur)
@@ -296,6 +310,8 @@ class Annotator:
                 if specs is None or len(out_specs) != len(outs):
                     continue
                 if not all(s is None or is_even(s) for s in out_specs):
+                    continue
+                if leaves_used_output_unplaced(used, out_specs, outs):
                     continue
                 c = sum(self.cost(a, b) for a, b in zip(cur, specs))
                 if targets and out_specs and out_specs[0] is not None:

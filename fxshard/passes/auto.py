@@ -49,7 +49,19 @@ from ..mesh import MeshSpec
 from ..planner import costs_from, pairwise_costs, plan_between
 from ..plans import PlanConstraints
 from ..spec import ShardingSpec, placements_str
-from .annotate import Annotator, _is_custom_op, _val, _where, arg_key, custom_op_error, flat_args, is_even, tensor_args
+from .annotate import (
+    Annotator,
+    _is_custom_op,
+    _val,
+    _where,
+    arg_key,
+    custom_op_error,
+    flat_args,
+    is_even,
+    leaves_used_output_unplaced,
+    tensor_args,
+    used_outputs,
+)
 from .capture import BOUNDARY, BUFFER, CONSTANT, GRAD_TAG, INPUT, PARAM, TANGENT, info
 
 log = logging.getLogger("fxshard")
@@ -475,6 +487,7 @@ class AutoPlanner:
                         for v in outs)
         if cands == "factory":
             return [(tuple(cur), rep_out)], "factory: replicated"
+        used = used_outputs(node)
         for ins, o in cands or ():
             try:
                 specs = self.ann._specs_for(ins, targs, cur)
@@ -483,6 +496,8 @@ class AutoPlanner:
             except ValueError:
                 continue
             if specs is None or len(out_specs) != len(outs) or not all(s is None or is_even(s) for s in out_specs):
+                continue
+            if leaves_used_output_unplaced(used, out_specs, outs):
                 continue
             key = (specs, out_specs)
             if key not in seen:
