@@ -115,6 +115,38 @@ def _check_placements(mesh: MeshSpec, placements, ndim: int, what: str) -> tuple
     return tuple(normalized)
 
 
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def _plain_levels(mesh: MeshSpec, placements, ndim: int, order: dict | None = None):
+    """Levels when every placement is exactly Replicate, Shard(0 <= d < ndim) or Partial of one
+    allowed op (sum and avg may mix), in the default order or a ``{tensor dim: mesh dims}`` order
+    that matches the placements; None for anything else (the general path normalises or explains)."""
+    if len(placements) != mesh.ndim:
+        return None
+    levels = [[] for _ in range(ndim)]
+    ops = set()
+    for m, p in enumerate(placements):
+        t = type(p)
+        if t is Replicate:
+            continue
+        if t is Shard:
+            if not 0 <= p.dim < ndim:
+                return None
+            levels[p.dim].append((m, 1))
+        elif t is Partial and p.reduce_op in _REDUCE_OPS:
+            ops.add(p.reduce_op)
+        else:
+            return None
+    if len(ops) > 1 and not ops <= {"sum", "avg"}:
+        return None
+    for d, ms in (order or {}).items():
+        if type(d) is not int or not 0 <= d < ndim or sorted(ms) != [m for m, _ in levels[d]]:
+            return None
+        levels[d] = [(m, 1) for m in ms]
+    return tuple(tuple(lv) for lv in levels)
+
+
 def _is_shard_like(p) -> bool:
     return placement_kind(p) in ("S", "SS")
 
@@ -168,6 +200,13 @@ class ShardingSpec:
     def _make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
               what: str = "sharding") -> ShardingSpec:
         shape = tuple(int(s) for s in shape)
+        order = shard_order
+        if isinstance(order, tuple):  # (tensor dim, mesh dims) pairs, as make() keys them
+            order = dict(order) if all(type(e) is tuple and len(e) == 2 for e in order) else False
+        if order is None or isinstance(order, dict):
+            levels = _plain_levels(mesh, placements, len(shape), order)
+            if levels is not None:  # the common case, validated without the general machinery
+                return cls(mesh, tuple(placements), shape, dtype, levels)
         placements = _check_placements(mesh, placements, len(shape), what)
         order = _normalize_order(shard_order, placements, len(shape), what)
         levels = []
