@@ -140,10 +140,14 @@ def _plain_levels(mesh: MeshSpec, placements, ndim: int, order: dict | None = No
             return None
     if len(ops) > 1 and not ops <= {"sum", "avg"}:
         return None
-    for d, ms in (order or {}).items():
-        if type(d) is not int or not 0 <= d < ndim or sorted(ms) != [m for m, _ in levels[d]]:
+    if order is not None:  # must name every sharded dim, with exactly its mesh dims (else: the general path)
+        if any(lv and d not in order for d, lv in enumerate(levels)):
             return None
-        levels[d] = [(m, 1) for m in ms]
+        for d, ms in order.items():
+            if type(d) is not int or not 0 <= d < ndim or any(type(m) is not int for m in ms) or \
+                    sorted(ms) != [m for m, _ in levels[d]]:
+                return None
+            levels[d] = [(m, 1) for m in ms]
     return tuple(tuple(lv) for lv in levels)
 
 

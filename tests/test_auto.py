@@ -184,3 +184,10 @@ def test_dominance_pruning_keeps_an_optimum():
 
         kept = _brute_force([keep[v].tolist() for v in range(nv)], unary, factors, mem, budget)
         assert kept == _brute_force([range(ns)] * nv, unary, factors, mem, budget), trial
+    # near-ties: a tolerant "<=" is not transitive and once dropped every state of a variable
+    x, d = 1000.0, 0.7e-6
+    unary = [torch.tensor([x + 2 * d, x + d, x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
+    fake = types.SimpleNamespace(vars=[types.SimpleNamespace(memory=None)] * 2)
+    keep = AutoPlanner._dominance(fake, [0, 1], unary, {(0, 1): torch.zeros(3, 1, dtype=torch.float64)},
+                                  [{1: (0, 1)}, {0: (0, 1)}], None)
+    assert keep[0].tolist() == [2]

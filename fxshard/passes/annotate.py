@@ -47,7 +47,7 @@ def flat_args(x, out: list | None = None) -> list:
     """Leaves of nested lists / tuples / dicts in ``tree_flatten`` order (FX arguments hold only
     those containers; pytree's general machinery is the slow part of a pass over a large graph)."""
     out = [] if out is None else out
-    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):  # pytree keeps a Size whole
+    if isinstance(x, (list, tuple)):
         for y in x:
             flat_args(y, out)
     elif isinstance(x, dict):
@@ -60,7 +60,7 @@ def flat_args(x, out: list | None = None) -> list:
 
 def arg_key(x, leaf):
     """A hashable key of nested arguments: containers by type and length, leaves through ``leaf``."""
-    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+    if isinstance(x, (list, tuple)):
         return (type(x).__name__, tuple(arg_key(y, leaf) for y in x))
     if isinstance(x, dict):
         return ("dict", tuple((k, arg_key(y, leaf)) for k, y in x.items()))

@@ -320,6 +320,8 @@ class AutoPlanner:
     def cost(self, a: int, b: int) -> float:
         if a == b:
             return 0.0
+        if a < 0 or b < 0:  # an output without placement (never read: see leaves_used_output_unplaced)
+            return INF
         c = self._cost.get((a, b))
         if c is None:
             if a not in self._searched:
@@ -608,11 +610,11 @@ class AutoPlanner:
         self.factors[(u, v)] = table.clone() if f is None else f + table
 
     def _table(self, out_ids: list[int], in_ids: list[int]) -> torch.Tensor:
-        if out_ids and all(a not in self._searched for a in out_ids):
+        if out_ids and min(out_ids) >= 0 and all(a not in self._searched for a in out_ids):
             for a in out_ids:  # the value's whole table, computed once
                 if a not in self._searched:
                     self._costs_from(a)
-        key = (self.specs[out_ids[0]].shape, self.specs[out_ids[0]].dtype) if out_ids else None
+        key = (self.specs[out_ids[0]].shape, self.specs[out_ids[0]].dtype) if out_ids and out_ids[0] >= 0 else None
         hit = self._tables.get(key)
         if hit is not None and all(i in hit[0] for i in out_ids) and all(i in hit[0] for i in in_ids):
             pos, t = hit
@@ -905,13 +907,14 @@ class AutoPlanner:
                     feats.append(t[kv][:, keep[u]])
                 f = torch.cat(feats, dim=1)
                 f = torch.where(torch.isfinite(f), f, torch.full_like(f, 1e300))
-                le = (f[:, None, :] <= f[None, :, :] + 1e-9 * (1 + f[None, :, :].abs())).all(dim=2)  # [a, b]: a <= b
+                # exact comparisons: "<=" with a tolerance is not transitive and could drop every state
+                le = (f[:, None, :] <= f[None, :, :]).all(dim=2)  # [a, b]: a no worse than b anywhere
                 n = len(kv)
                 idx = torch.arange(n)
                 strict = le & ~le.T  # a strictly better somewhere
                 tie = le & le.T & (idx[:, None] < idx[None, :])  # equal rows: the lower index stays
                 dominated = (strict | tie).any(dim=0)
-                if bool(dominated.any()):
+                if bool(dominated.any()) and not bool(dominated.all()):
                     keep[v] = kv[~dominated]
                     changed = True
         return keep
@@ -1041,6 +1044,7 @@ class AutoPlanner:
         # otherwise it warm-starts the integer program.
         h.setOptionValue("solve_relaxation", True)
         h.setOptionValue("presolve", "off")  # on this LP presolve costs 3x the dual simplex it saves
+        t_lp = time.perf_counter()
         h.run()
         status = h.getModelStatus()
         start = None
@@ -1061,6 +1065,8 @@ class AutoPlanner:
         if status != highspy.HighsModelStatus.kInfeasible:
             h.setOptionValue("solve_relaxation", False)
             h.setOptionValue("presolve", "choose")
+            # one time limit for both solves together
+            h.setOptionValue("time_limit", max(1.0, float(self.opt.time_limit_s) - (time.perf_counter() - t_lp)))
             h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32),
                                     np.array([highspy.HighsVarType.kInteger] * nx))
             if status == highspy.HighsModelStatus.kOptimal and start is not None:  # warm start

@@ -513,8 +513,8 @@ def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_
                             (A2A, dims, d, d2, 1)))
     dims_all = [m for m in range(P.M) if (pa | pb) >> m & 1]
 
-    def op_of(m):
-        return P.src_ops[m] if (pa >> m & 1 or m in P.src_ops) else P.dst_ops[m]
+    def op_of(m):  # a dim still to reduce holds the source's op; one kept or made partial, the target's
+        return P.src_ops[m] if pa >> m & 1 else P.dst_ops[m]
 
     for r in range(2, len(dims_all) + 1):
         for subset in itertools.combinations(dims_all, r):
