@@ -328,7 +328,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
-    direct = direct_plan_cost(P)
+    # upper bound for pruning; the placing plan pays off where searches are large (3+ mesh dims)
+    direct = None if exhaust is not None else \
+        min(direct_plan_cost(P), placing_plan_cost(P)) if M >= 3 else direct_plan_cost(P)
     ub = direct * (1 + 1e-12) + 1e-9 if direct is not None else inf
     if exhaust is not None:
         ub, goal = inf, None
@@ -627,3 +629,68 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     P.scratch, P.scratch_set = [], set()
     P.base_share = 0.0
     return solve(P, exhaust=frozenset(target_stacks), graph=graph)
+
+
+def placing_plan_cost(P: Problem) -> float:
+    """Cost of another simple valid plan, often far below ``direct_plan_cost``: place target levels
+    as early as they can go (free pushes, then reduce-scatters onto the target's stacks), and move a
+    level that must leave its stack straight to its target place with one all-to-all when that place
+    is next in line, gathering it otherwise.  Every state it passes is a prefix of the source's or the
+    target's stacks, so it is valid under ``even_only`` too; a tighter upper bound prunes more."""
+    k, tgt, T = P.k, P.dst_levels, P.T
+    stacks = [list(st) for st in P.src_levels]
+    where = {}  # mesh dim -> (tensor dim, position, level) in the target
+    for d, st in enumerate(tgt):
+        for p, lev in enumerate(st):
+            where[lev[0]] = (d, p, lev)
+    shards = 1
+    for st in stacks:
+        for m, _ in st:
+            shards *= k[m]
+    g, lat, fac = P.g, P.lat, P.fac
+    pa, pb = P.start_pa, P.start_pb
+    cost = 0.0
+
+    def used(m):
+        return (pa | pb) >> m & 1 or any(mm == m for st in stacks for mm, _ in st)
+
+    def next_up(m):  # m's target place is the next free one on its tensor dim
+        d, p, lev = where[m]
+        return d if len(stacks[d]) == p and tuple(stacks[d]) == tgt[d][:p] else None
+
+    changed = True
+    while changed:
+        changed = False
+        for m in range(P.M):  # free pushes, and reduce-scatters, that extend a target prefix
+            if m not in where or next_up(m) is None:
+                continue
+            d = where[m][0]
+            if (pa | pb) >> m & 1 and not (pb >> m & 1 and P.dst_pmask >> m & 1):
+                cost += lat[REDUCE_SCATTER, m] + fac[REDUCE_SCATTER, m] * g / shards
+                pa, pb = pa & ~(1 << m), pb & ~(1 << m)
+            elif used(m):
+                continue
+            stacks[d].append(where[m][2])
+            shards *= k[m]
+            changed = True
+        for d in range(T):  # levels above the common prefix leave: all-to-all to their place, or gather
+            keep = 0
+            while keep < len(stacks[d]) and keep < len(tgt[d]) and stacks[d][keep] == tgt[d][keep]:
+                keep += 1
+            if len(stacks[d]) > keep:
+                m, _ = stacks[d].pop()
+                d2 = next_up(m) if m in where else None
+                if d2 is not None and d2 != d:
+                    cost += lat[ALL_TO_ALL, m] + fac[ALL_TO_ALL, m] * g / shards
+                    stacks[d2].append(where[m][2])
+                else:
+                    cost += lat[ALL_GATHER, m] + fac[ALL_GATHER, m] * g / shards
+                    shards //= k[m]
+                changed = True
+                break
+    for m in range(P.M):  # partial dims the target does not keep: all-reduce
+        if (pa | pb) >> m & 1 and not (pb >> m & 1 and P.dst_pmask >> m & 1):
+            cost += lat[ALL_REDUCE, m] + fac[ALL_REDUCE, m] * g / shards
+    if any(tuple(st) != t for st, t in zip(stacks, tgt)):
+        return math.inf  # stuck (a level whose place never frees up): no bound from this plan
+    return cost
