@@ -610,10 +610,8 @@ class AutoPlanner:
         self.factors[(u, v)] = table.clone() if f is None else f + table
 
     def _table(self, out_ids: list[int], in_ids: list[int]) -> torch.Tensor:
-        if out_ids and min(out_ids) >= 0 and all(a not in self._searched for a in out_ids):
-            for a in out_ids:  # the value's whole table, computed once
-                if a not in self._searched:
-                    self._costs_from(a)
+        if out_ids and min(out_ids) >= 0 and out_ids[0] not in self._searched:
+            self._costs_from(out_ids[0])  # the value's whole table, computed once
         key = (self.specs[out_ids[0]].shape, self.specs[out_ids[0]].dtype) if out_ids and out_ids[0] >= 0 else None
         hit = self._tables.get(key)
         if hit is not None and all(i in hit[0] for i in out_ids) and all(i in hit[0] for i in in_ids):
