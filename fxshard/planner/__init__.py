@@ -275,15 +275,30 @@ def _partials(spec: ShardingSpec) -> dict[int, str]:
     return {m: p.reduce_op for m, p in enumerate(spec.placements) if placement_kind(p) == "P"}
 
 
+_REPLICATE = Replicate()
+_SHARDS: dict = {}
+_PARTIALS: dict = {}
+
+
 def _moved_placement(levels, part, m):
-    """Placement of mesh dim ``m`` in a state (without building the whole placements tuple)."""
-    if m in part:
-        return Partial(part[m])
+    """Placement of mesh dim ``m`` in a state (without building the whole placements tuple).
+    Placements are immutable values, so plain ones are made once and shared."""
+    op = part.get(m)
+    if op is not None:
+        p = _PARTIALS.get(op)
+        if p is None:
+            p = _PARTIALS[op] = Partial(op)
+        return p
     for d, st in enumerate(levels):
         for mm, sf in st:
             if mm == m:
-                return StridedShard(d, split_factor=sf) if sf != 1 else Shard(d)
-    return Replicate()
+                if sf != 1:
+                    return StridedShard(d, split_factor=sf)
+                p = _SHARDS.get(d)
+                if p is None:
+                    p = _SHARDS[d] = Shard(d)
+                return p
+    return _REPLICATE
 
 
 def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False,
@@ -297,18 +312,26 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool =
     steps, levels, partials = [], [src.levels], [dict(sp)]
     part = dict(sp)
     for (move, c), (stacks, _pa, _pb), prev in zip(moves, states[1:], states[:-1]):
-        dims = move.mesh_dims
-        before = tuple(_moved_placement(prev[0], part, m) for m in dims)
-        part = dict(part)
-        for m in dims:
-            if move.kind in (AR, RS):
-                part.pop(m)
-            elif move.kind == MAKE_PARTIAL:
-                part[m] = dp[m]
-        after = tuple(_moved_placement(stacks, part, m) for m in dims)
-        if not move.fused:
-            before, after = before[0], after[0]
-        steps.append(Step(tuple(sorted(dims)), before, after, _COLLECTIVE[move.kind], c, move))
+        kind = move.kind
+        if move.fused:
+            dims = move.mesh_dim
+            before = tuple(_moved_placement(prev[0], part, m) for m in dims)
+        else:
+            dims = (move.mesh_dim,)
+            before = _moved_placement(prev[0], part, move.mesh_dim)
+        if kind in (AR, RS, MAKE_PARTIAL):
+            part = dict(part)
+            for m in dims:
+                if kind == MAKE_PARTIAL:
+                    part[m] = dp[m]
+                else:
+                    del part[m]
+        if move.fused:
+            after = tuple(_moved_placement(stacks, part, m) for m in dims)
+            dims = tuple(sorted(dims))
+        else:
+            after = _moved_placement(stacks, part, move.mesh_dim)
+        steps.append(Step(dims, before, after, _COLLECTIVE[kind], c, move))
         levels.append(stacks)
         partials.append(part)
     return RedistributePlan(src, dst, tuple(steps), tuple(levels), tuple(partials), total)

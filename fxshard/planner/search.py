@@ -76,6 +76,11 @@ class _Tables:
         self.ar_f = [fac[ALL_REDUCE, m] for m in range(M)]
         self.rs_l = [lat[REDUCE_SCATTER, m] for m in range(M)]
         self.rs_f = [fac[REDUCE_SCATTER, m] for m in range(M)]
+        lb = self.lat_lb  # latencies in the heuristic's bounds (fused: less the shared base latency)
+        self.ag_lb = [lb[ALL_GATHER, m] for m in range(M)]
+        self.a2_lb = [lb[ALL_TO_ALL, m] for m in range(M)]
+        self.ar_lb = [lb[ALL_REDUCE, m] for m in range(M)]
+        self.rs_lb = [lb[REDUCE_SCATTER, m] for m in range(M)]
 
 
 _TABLES: dict = {}
@@ -127,58 +132,55 @@ class Problem:
         involved = {d for d, lv in enumerate(src_levels) if lv} | {d for d, lv in enumerate(dst_levels) if lv}
         self.scratch = [d for d in range(self.T) if d not in involved]
         self.scratch_set = set(self.scratch)
-        # Push targets per mesh dim: (tensor dim, split factor); plain shards anywhere, the target's
-        # strided level where the target has it.
-        self.targets = []
-        for m in range(self.M):
-            t = [(d, 1) for d in range(self.T)]
-            if m in self.dst_where and self.dst_where[m][1] != 1:
-                t.append(self.dst_where[m])
-            self.targets.append(t)
         self._build_heuristic()
 
     # ---- heuristic -------------------------------------------------------------------------
     def _build_heuristic(self):
-        K = math.prod(self.k)
+        M, k = self.M, self.k
+        K = math.prod(k)
         g = self.g
         tab = self.tab
-        lat = self.lat_lb
         # per mesh dim: bound for a level that must move (lvl_lb, 0 for levels the target does not
         # shard: their gathers are in gather_lb), for a partial dim that must be reduced away (lb_pa)
         # and for one the target keeps partial in the same way (lb_pb)
-        self.lvl_lb, self.lb_pa, self.lb_pb = [], [], []
+        self.lvl_lb, self.lb_pa, self.lb_pb = lvl_lb, lb_pa, lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
         dst_where, dst_pmask, fuse = self.dst_where, self.dst_pmask, self.fuse
-        for m in range(self.M):
-            n_sh = g / K  # smallest local size while m itself is sharded
-            n_un = g * self.k[m] / K  # ... while m is not sharded
-            # with fusion one all-to-all can move several levels for less than their separate
-            # bandwidth bounds add up to, so the bound keeps only its latency
-            ag = lat[ALL_GATHER, m] + tab.ag_f[m] * n_sh
-            a2a = lat[ALL_TO_ALL, m] + (0.0 if fuse else tab.a2_f[m] * n_sh)
-            ar = lat[ALL_REDUCE, m] + tab.ar_f[m] * n_un
-            rs = lat[REDUCE_SCATTER, m] + tab.rs_f[m] * n_un
+        n_sh = g / K  # smallest local size while m itself is sharded
+        for m in range(M):
+            n_un = g * k[m] / K  # ... while m is not sharded
             # A reduce-scatter towards a replicated target leaves a level that must be gathered; that
             # gather is counted by the gather bound, so here only min(ar, rs) (consistency).
+            ar = tab.ar_lb[m] + tab.ar_f[m] * n_un
+            rs = tab.rs_lb[m] + tab.rs_f[m] * n_un
             to_r = ar if ar < rs else rs
-            self.lvl_lb.append((a2a if a2a < ag else ag) if m in dst_where else 0.0)
-            self.lb_pa.append(to_r)
-            self.lb_pb.append(0.0 if dst_pmask >> m & 1 else to_r)
+            lb_pa[m] = to_r
+            if not dst_pmask >> m & 1:
+                lb_pb[m] = to_r
+            if m in dst_where:
+                # with fusion one all-to-all can move several levels for less than their separate
+                # bandwidth bounds add up to, so the bound keeps only its latency
+                ag = tab.ag_lb[m] + tab.ag_f[m] * n_sh
+                a2a = tab.a2_lb[m] + (0.0 if fuse else tab.a2_f[m] * n_sh)
+                lvl_lb[m] = a2a if a2a < ag else ag
         # Gather bound.  Mesh dims not sharded by the target ("cand") must be gathered after their
         # last push; when the last gather of x_i runs, only dims the target shards and cand dims
         # gathered later can still shard the tensor, so its input is >= g / (K_S * prod k_{x_j>=i}).
         # Minimised over orderings and over optional extra cand dims, per set of cand dims that are
         # sharded now.  Consistent: a gather of m costs at least the bound's term for m put first.
-        self.cand = [m for m in range(self.M) if m not in dst_where]
+        self.cand = [m for m in range(M) if m not in dst_where]
         self.cand_mask = sum(1 << m for m in self.cand)
-        self.K_S = math.prod(self.k[m] for m in dst_where)
+        K_S = 1
+        for m in dst_where:
+            K_S *= k[m]
+        self.K_S = K_S
         self._build_gather_table()
 
     def _build_gather_table(self):
         cand = self.cand
         c = len(cand)
         k = [self.k[m] for m in cand]
-        fac = [self.fac[ALL_GATHER, m] for m in cand]
-        lat = [self.lat_lb[ALL_GATHER, m] for m in cand]
+        fac = [self.tab.ag_f[m] for m in cand]
+        lat = [self.tab.ag_lb[m] for m in cand]
         base = self.g / self.K_S
         size = 1 << c
         prod = [1] * size
@@ -187,7 +189,13 @@ class Problem:
             low = (y & -y).bit_length() - 1
             prod[y] = prod[y & (y - 1)] * k[low]
             n = base / prod[y]
-            total[y] = min(fac[i] * n + lat[i] + total[y & ~(1 << i)] for i in range(c) if y >> i & 1)
+            best = math.inf
+            for i in range(c):
+                if y >> i & 1:
+                    t = fac[i] * n + lat[i] + total[y & ~(1 << i)]
+                    if t < best:
+                        best = t
+            total[y] = best
         for i in range(c):  # min over supersets: optional extra gathers may lower the bound
             bit = 1 << i
             for y in range(size):
@@ -196,6 +204,16 @@ class Problem:
         self._table = total
         self._bit_of = {m: i for i, m in enumerate(cand)}
         self._hag = {}
+
+    def gather_table_by_mask(self) -> list[float]:
+        """``gather_lb`` for every mask of sharded mesh dims, as a list indexed by the mask."""
+        table, bit_of, M = self._table, self._bit_of, self.M
+        ys = [0] * (1 << M)
+        for mask in range(1, 1 << M):
+            low = (mask & -mask).bit_length() - 1
+            i = bit_of.get(low)
+            ys[mask] = ys[mask & (mask - 1)] | (1 << i if i is not None else 0)
+        return [table[y] for y in ys]
 
     def gather_lb(self, mand):
         """Bound on the gathers still needed, given the mask of cand mesh dims sharded now."""
@@ -232,17 +250,59 @@ class Problem:
         return h
 
 
+_PLAIN_CODES: dict = {}
+
+
+def _codes(P: Problem):
+    """(code of each level, level of each code, push targets per mesh dim as (tensor dim, split
+    factor, code)).  Plain shards code as mesh dim + 1; strided levels of the source or target get
+    the next codes.  The plain tables depend only on (mesh ndim, tensor ndim) and are shared."""
+    M, T = P.M, P.T
+    strided = [lev for lv in (*P.src_levels, *P.dst_levels) for lev in lv if lev[1] != 1]
+    if not strided:
+        hit = _PLAIN_CODES.get((M, T))
+        if hit is None:
+            levels = [(m, 1) for m in range(M)]
+            code = {lev: i + 1 for i, lev in enumerate(levels)}
+            tcodes = [[(d, 1, m + 1) for d in range(T)] for m in range(M)]
+            hit = _PLAIN_CODES[M, T] = (code, [None] + levels, tcodes)
+        return hit
+    levels = [(m, 1) for m in range(M)]
+    for lev in strided:
+        if lev not in levels:
+            levels.append(lev)
+    code = {lev: i + 1 for i, lev in enumerate(levels)}
+    # push targets: plain shards anywhere, the target's strided level where the target has it
+    tcodes = []
+    for m in range(M):
+        t = [(d, 1, m + 1) for d in range(T)]
+        where = P.dst_where.get(m)
+        if where is not None and where[1] != 1:
+            t.append((*where, code[(m, where[1])]))
+        tcodes.append(t)
+    return code, [None] + levels, tcodes
+
+
+def _layout(B: int, M: int, T: int) -> tuple[int, int, int]:
+    """Bit layout of a packed state: (bits per stack field, shift of the reduce-away mask, shift of
+    the keep-partial mask).  A stack holds at most M levels, so its digits base B fit in the field."""
+    W = max(1, (B ** M - 1).bit_length())
+    return W, W * T, W * T + M
+
+
 def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None = None):
     """Return (cost, [(Move, cost), ...], [state, ...]) of a min-cost path.
 
     ``exhaust``: instead, the min cost from the source to every reachable state (a Dijkstra run over
     the same moves, for ``distances``); its members are the target shard stacks at which a
     replicated dim may be made partial.  ``graph`` (with ``exhaust``): filled with every expanded
-    state's moves, ``{(stacks, pa, pb): [((stacks, pa, pb), cost), ...]}``, for ``pairwise_costs``.
+    state's moves, ``{state: [(state, cost), ...]}`` in the packed form ``state_key`` gives, for
+    ``pairwise_costs``.
 
-    States are encoded as a tuple of ints: one per tensor dim (its stack of levels as digits, the
-    innermost level in the lowest digit; 0 is empty), then the two partial masks.  Hashing and
-    comparing small ints is what makes the search cheap."""
+    A state is packed into one int: per tensor dim a field holding its stack of levels as digits
+    (the innermost level in the lowest digit; 0 is empty), then the mask of partial dims to reduce
+    away and the mask of partial dims the target keeps.  A move is then a few additions and shifts,
+    and hashing a small int is what makes the search cheap."""
     P = problem
     k = P.k
     start_t = (P.src_levels, P.start_pa, P.start_pb)
@@ -250,21 +310,25 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     if start_t == goal_t and exhaust is None:
         return 0.0, [], [start_t]
     M, T = P.M, P.T
-    # level codes
-    levels = [(m, 1) for m in range(M)]
-    for lv in (*P.src_levels, *P.dst_levels):
-        for lev in lv:
-            if lev not in levels:
-                levels.append(lev)
-    code = {lev: i + 1 for i, lev in enumerate(levels)}
-    decode = [None] + levels
-    B = len(levels) + 1
+    code, decode, tcodes = _codes(P)
+    B = len(decode)
+    W, PA, PB = _layout(B, M, T)
+    wmask = (1 << W) - 1
+    mmask = (1 << M) - 1
+    stack_bits = (1 << PA) - 1
+    shift = [W * d for d in range(T)]
 
     def enc(st):
         v = 0
         for lev in st:
             v = v * B + code[lev]
         return v
+
+    def pack(stacks, pa, pb):
+        x = pa << PA | pb << PB
+        for d, st in enumerate(stacks):
+            x |= enc(st) << shift[d]
+        return x
 
     dec_memo: dict = {}
 
@@ -278,7 +342,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             st = dec_memo[v] = tuple(reversed(out))
         return st
 
-    tgt_v = [enc(st) for st in P.dst_levels]
+    def unpack(x):
+        return tuple(dec(x >> shift[d] & wmask) for d in range(T)), x >> PA & mmask, x >> PB
+
     prefix_ok = []
     for st in P.dst_levels:
         ok, v = {0}, 0
@@ -289,8 +355,6 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     scratch, scratch_set = P.scratch, P.scratch_set
     g_bytes = P.g
     dst_pmask = P.dst_pmask
-    targets = P.targets
-    tcodes = [[(d2, sf2, code[(m, sf2)]) for d2, sf2 in targets[m]] for m in range(M)]
     even_only, shape = P.even_only, P.shape
 
     fits_memo: dict = {}
@@ -308,7 +372,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         return ok
 
     lvl_lb, lb_pa, lb_pb = P.lvl_lb, P.lb_pa, P.lb_pb
-    cand_mask, gather_lb = P.cand_mask, P.gather_lb
+    cand_mask = P.cand_mask
+    glb = P.gather_table_by_mask()
     tab = P.tab
     ag_l, ag_f, a2_l, a2_f = tab.ag_l, tab.ag_f, tab.a2_l, tab.a2_f
     ar_l, ar_f, rs_l, rs_f = tab.ar_l, tab.ar_f, tab.rs_l, tab.rs_f
@@ -317,8 +382,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         for m, _ in st:
             start_shards *= k[m]
             start_mask |= 1 << m
-    start = (*[enc(st) for st in P.src_levels], P.start_pa, P.start_pb)
-    goal = (*tgt_v, 0, P.dst_pmask)
+    start = pack(P.src_levels, P.start_pa, P.start_pb)
+    goal = pack(P.dst_levels, 0, P.dst_pmask)
+    goal_stacks = goal & stack_bits
     h0 = P.heuristic(*start_t)
     best = {start: 0.0}
     parent = {start: None}
@@ -334,95 +400,94 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     ub = direct * (1 + 1e-12) + 1e-9 if direct is not None else inf
     if exhaust is not None:
         ub, goal = inf, None
-        exhaust = {tuple(enc(st) for st in stacks) for stacks in exhaust}
+        exhaust = {pack(stacks, 0, 0) for stacks in exhaust}
 
     if graph is not None and B != M + 1:
         raise ValueError("solve(graph=...) takes plain shards only (no strided levels)")
+    fuse = P.fuse
     while heap:
         _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
             continue
         if state == goal:
-            return _unwind_int(parent, state, gcost, dec, T)
-        pa, pb = state[T], state[T + 1]
+            return _unwind(parent, state, gcost, unpack)
+        pa = state >> PA & mmask
+        pb = state >> PB
         n = g_bytes / shards
         used = sharded | pa | pb
         mand = sharded & cand_mask
-        h_ag = gather_lb(mand)
+        h_ag = glb[mand]
         first_empty_scratch = -1
         for d in scratch:
-            if not state[d]:
+            if not state >> shift[d] & wmask:
                 first_empty_scratch = d
                 break
         depth -= 1
-        at_target = state[:T] == goal[:T] if exhaust is None else state[:T] in exhaust
+        at_target = state & stack_bits == goal_stacks if exhaust is None else state & stack_bits in exhaust
         nbrs = []  # (new_state, step_cost, new_shards, new_mask, dh, move)
         base_f = gcost + h
         for d in range(T):
-            v = state[d]
+            sd = shift[d]
+            v = state >> sd & wmask
             if not v:
                 continue
             c = v % B
             m, sf = decode[c]
             bit = 1 << m
             rest = v // B
+            popped = state - (v - rest << sd)
             top_lb = 0.0 if v in prefix_ok[d] else lvl_lb[m]
             step_cost = ag_l[m] + ag_f[m] * n
-            dh = gather_lb(mand & ~bit) - h_ag - top_lb
+            dh = glb[mand & ~bit] - h_ag - top_lb
             if base_f + step_cost + dh <= ub:
-                ns = list(state)
-                ns[d] = rest
-                nbrs.append((tuple(ns), step_cost, shards // k[m], sharded & ~bit, dh, (AG, m, d, None, 1)))
+                nbrs.append((popped, step_cost, shards // k[m], sharded & ~bit, dh, (AG, m, d, None, 1)))
             a2a_cost = a2_l[m] + a2_f[m] * n
             if base_f + a2a_cost - top_lb > ub:
                 continue
             for d2, sf2, c2 in tcodes[m]:
-                if d2 == d and sf2 == sf:
-                    continue
-                base = rest if d2 == d else state[d2]
-                if not base and d2 in scratch_set and d2 != first_empty_scratch and d2 != d:
-                    continue
+                if d2 == d:
+                    if sf2 == sf:
+                        continue
+                    base = rest
+                else:
+                    base = state >> shift[d2] & wmask
+                    if not base and d2 != first_empty_scratch and d2 in scratch_set:
+                        continue
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
                 new_lb = 0.0 if nv in prefix_ok[d2] else lvl_lb[m]
                 if base_f + a2a_cost + new_lb - top_lb > ub:
                     continue
-                ns = list(state)
-                ns[d] = rest
-                ns[d2] = nv
-                nbrs.append((tuple(ns), a2a_cost, shards, sharded, new_lb - top_lb, (A2A, m, d, d2, sf2)))
+                nbrs.append((popped + (nv - base << shift[d2]), a2a_cost, shards, sharded, new_lb - top_lb,
+                             (A2A, m, d, d2, sf2)))
         for m in range(M):
             bit = 1 << m
             if used & bit:
                 if not (pa | pb) & bit:
                     continue
                 if pa & bit:
-                    old_lb, npa, npb = lb_pa[m], pa & ~bit, pb
+                    old_lb, cleared = lb_pa[m], state & ~(bit << PA)
                 else:
-                    old_lb, npa, npb = lb_pb[m], pa, pb & ~bit
+                    old_lb, cleared = lb_pb[m], state & ~(bit << PB)
                 step_cost = ar_l[m] + ar_f[m] * n
                 if base_f + step_cost - old_lb <= ub:
-                    ns = list(state)
-                    ns[T], ns[T + 1] = npa, npb
-                    nbrs.append((tuple(ns), step_cost, shards, sharded, -old_lb, (AR, m, None, None, 1)))
+                    nbrs.append((cleared, step_cost, shards, sharded, -old_lb, (AR, m, None, None, 1)))
                 step_cost, kind, base_dh = rs_l[m] + rs_f[m] * n, RS, -old_lb
             else:
                 step_cost, kind, base_dh = 0.0, SHARD, 0.0
-                npa, npb = pa, pb
+                cleared = state
                 # Making a dim partial is free and changes no size, so it can always wait until
                 # everything else is in place: only allow it there (never mixes reduce ops either).
                 if dst_pmask & bit and at_target and not pa:
-                    ns = list(state)
-                    ns[T + 1] = pb | bit
-                    nbrs.append((tuple(ns), 0.0, shards, sharded, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
+                    nbrs.append((state | bit << PB, 0.0, shards, sharded, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
             if cand_mask & bit:  # the new level will have to be gathered
-                base_dh += gather_lb(mand | bit) - h_ag
+                base_dh += glb[mand | bit] - h_ag
             if base_f + step_cost + base_dh > ub:
                 continue
             for d2, sf2, c2 in tcodes[m]:
-                base = state[d2]
-                if not base and d2 in scratch_set and d2 != first_empty_scratch:
+                base = state >> shift[d2] & wmask
+                if not base and d2 != first_empty_scratch and d2 in scratch_set:
                     continue
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
@@ -430,21 +495,18 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 new_lb = 0.0 if nv in prefix_ok[d2] else lvl_lb[m]
                 if base_f + step_cost + base_dh + new_lb > ub:
                     continue
-                ns = list(state)
-                ns[d2] = nv
-                ns[T], ns[T + 1] = npa, npb
-                nbrs.append((tuple(ns), step_cost, shards * k[m], sharded | bit, base_dh + new_lb,
-                             (kind, m, None, d2, sf2)))
-        if P.fuse:
-            stacks_t = tuple(dec(state[d]) for d in range(T))
+                nbrs.append((cleared + (nv - base << shift[d2]), step_cost, shards * k[m], sharded | bit,
+                             base_dh + new_lb, (kind, m, None, d2, sf2)))
+        if fuse:
+            stacks_t = tuple(dec(state >> shift[d] & wmask) for d in range(T))
             for (nst, npa2, npb2), cost, nsh, dh, move in _fused_moves(P, stacks_t, pa, pb, n, shards, mand, h_ag,
                                                                        first_empty_scratch):
                 nmask = 0
                 for st in nst:
                     for mm, _ in st:
                         nmask |= 1 << mm
-                nbrs.append(((*[enc(st) for st in nst], npa2, npb2), cost, nsh, nmask, dh, move))
-        if graph is not None:  # encoded states: plain levels code alike in every search (see state_key)
+                nbrs.append((pack(nst, npa2, npb2), cost, nsh, nmask, dh, move))
+        if graph is not None:  # packed states: plain levels pack alike in every search (see state_key)
             graph[state] = [(x[0], x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, dh, move in nbrs:
             ng = gcost + step_cost
@@ -458,20 +520,22 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, counter, ng, new_state,
                                  new_shards, new_mask, nh))
     if exhaust is not None:  # states with nothing left to reduce
-        return {(tuple(dec(st[d]) for d in range(T)), st[T + 1]): c for st, c in best.items() if not st[T]}
+        out = {}
+        for st, c in best.items():
+            stacks, pa, pb = unpack(st)
+            if not pa:
+                out[stacks, pb] = c
+        return out
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
 
 
-def _unwind_int(parent, state, total, dec, T):
-    def lev(s):
-        return (tuple(dec(s[d]) for d in range(T)), s[T], s[T + 1])
-
-    moves, costs, states = [], [], [lev(state)]
+def _unwind(parent, state, total, unpack):
+    moves, costs, states = [], [], [unpack(state)]
     while parent[state] is not None:
         prev, move, c = parent[state]
         moves.append(Move(*move))
         costs.append(c)
-        states.append(lev(prev))
+        states.append(unpack(prev))
         state = prev
     moves.reverse()
     costs.reverse()
@@ -594,17 +658,19 @@ def direct_plan_cost(P: Problem) -> float | None:
     return cost
 
 
-def state_key(levels, pa: int, pb: int, mesh_ndim: int) -> tuple:
-    """A state as ``solve`` encodes it when every level is a plain shard: per tensor dim its stack as
-    digits base ``mesh_ndim + 1`` (mesh dim m is digit m + 1, innermost lowest), then the masks."""
+def state_key(levels, pa: int, pb: int, mesh_ndim: int) -> int:
+    """A state packed as ``solve`` packs it when every level is a plain shard: per tensor dim its
+    stack as digits base ``mesh_ndim + 1`` (mesh dim m is digit m + 1, innermost lowest) in a field
+    of its own, then the two partial masks."""
     B = mesh_ndim + 1
-    out = []
-    for st in levels:
+    W, PA, PB = _layout(B, mesh_ndim, len(levels))
+    x = pa << PA | pb << PB
+    for d, st in enumerate(levels):
         v = 0
         for m, _ in st:
             v = v * B + m + 1
-        out.append(v)
-    return (*out, pa, pb)
+        x |= v << W * d
+    return x
 
 
 def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stacks, target_pmask: int, ops: dict,
