@@ -253,6 +253,15 @@ def inductor_compile(gm, example_inputs):
 
 # ---- joint forward+backward graphs (AOTAutograd) --------------------------------------------------
 
+def lazy_graph_modules():
+    """Context in which new GraphModules regenerate their Python code only when it is first needed
+    (called, or ``.code`` read), not on every ``recompile()``: the stages edit a captured graph of
+    ~12k nodes several times and nobody runs it in between (FX's ``_LazyGraphModule``)."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
 def export_joint(module, fake_args, decompositions):
     """``aot_export_joint_with_descriptors``: (joint GraphModule, pytree spec of the forward outputs).  Placeholders are
     ``primals_*`` / ``tangents_*`` with ``meta["desc"]``; the output node's ``meta["desc"]`` lists

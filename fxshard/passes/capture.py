@@ -474,7 +474,7 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     (a dynamo graph takes its parameters as inputs); user inputs are then renumbered."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..adapter import describe, export_joint
+    from ..adapter import describe, export_joint, lazy_graph_modules
 
     module = model if isinstance(model, nn.Module) else _FnModule(model)
     handles = _install_boundary_hooks(module, boundaries or {})
@@ -484,7 +484,7 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake_of(fm, x) else x
              for x in example_inputs]
     try:
-        with fm, warnings.catch_warnings():
+        with fm, warnings.catch_warnings(), lazy_graph_modules():
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             gm, out_spec = export_joint(module, fakes, _decomposition_table())
     except Exception as e:
