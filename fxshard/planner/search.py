@@ -162,6 +162,19 @@ class Problem:
                 ag = tab.ag_lb[m] + tab.ag_f[m] * n_sh
                 a2a = tab.a2_lb[m] + (0.0 if fuse else tab.a2_f[m] * n_sh)
                 lvl_lb[m] = a2a if a2a < ag else ag
+        # lb_at[d][m]: the bound for level m sitting on tensor dim d above the common prefix with the
+        # target.  On its own target dim it has to leave and come back: gathered (then pushed for
+        # free) or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards without
+        # fusion only (a strided level can change place on its own dim in one step; a fused
+        # all-to-all carries several levels for one latency).
+        self.lb_at = lb_at = [lvl_lb] * self.T
+        strided = any(sf != 1 for lv in (*self.src_levels, *self.dst_levels) for _, sf in lv)
+        if not fuse and not strided and dst_where:
+            self.lb_at = lb_at = [list(lvl_lb) for _ in range(self.T)]
+            for m, (d, _sf) in dst_where.items():
+                ag = tab.ag_lb[m] + tab.ag_f[m] * n_sh
+                a2a = tab.a2_lb[m] + tab.a2_f[m] * n_sh
+                lb_at[d][m] = ag if ag < 2 * a2a else 2 * a2a
         # Gather bound.  Mesh dims not sharded by the target ("cand") must be gathered after their
         # last push; when the last gather of x_i runs, only dims the target shards and cand dims
         # gathered later can still shard the tensor, so its input is >= g / (K_S * prod k_{x_j>=i}).
@@ -235,7 +248,7 @@ class Problem:
         for p, (m, sf) in enumerate(st):
             ok = ok and p < len(tgt) and tgt[p] == (m, sf)
             if not ok:
-                h += self.lvl_lb[m]  # 0 for gathers: see gather_lb
+                h += self.lb_at[d][m]  # 0 for gathers: see gather_lb
         return h
 
     def heuristic(self, stacks, pa, pb):
@@ -371,7 +384,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             fits_memo[(d, v)] = ok
         return ok
 
-    lvl_lb, lb_pa, lb_pb = P.lvl_lb, P.lb_pa, P.lb_pb
+    lb_at, lb_pa, lb_pb = P.lb_at, P.lb_pa, P.lb_pb
     cand_mask = P.cand_mask
     glb = P.gather_table_by_mask()
     tab = P.tab
@@ -405,6 +418,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     if graph is not None and B != M + 1:
         raise ValueError("solve(graph=...) takes plain shards only (no strided levels)")
     fuse = P.fuse
+    # neighbours no cheaper than their best known cost are dropped before any tuple is built (the
+    # push loop checks again); the exhaustive run records every move for ``graph``
+    seen = best.get if graph is None else {}.get
     while heap:
         _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
@@ -436,14 +452,15 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             bit = 1 << m
             rest = v // B
             popped = state - (v - rest << sd)
-            top_lb = 0.0 if v in prefix_ok[d] else lvl_lb[m]
+            top_lb = 0.0 if v in prefix_ok[d] else lb_at[d][m]
             step_cost = ag_l[m] + ag_f[m] * n
             dh = glb[mand & ~bit] - h_ag - top_lb
-            if base_f + step_cost + dh <= ub:
+            if base_f + step_cost + dh <= ub and gcost + step_cost + 1e-9 < seen(popped, inf):
                 nbrs.append((popped, step_cost, shards // k[m], sharded & ~bit, dh, (AG, m, d, None, 1)))
             a2a_cost = a2_l[m] + a2_f[m] * n
             if base_f + a2a_cost - top_lb > ub:
                 continue
+            lim = gcost + a2a_cost + 1e-9
             for d2, sf2, c2 in tcodes[m]:
                 if d2 == d:
                     if sf2 == sf:
@@ -456,11 +473,12 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if nv in prefix_ok[d2] else lvl_lb[m]
+                new_lb = 0.0 if nv in prefix_ok[d2] else lb_at[d2][m]
                 if base_f + a2a_cost + new_lb - top_lb > ub:
                     continue
-                nbrs.append((popped + (nv - base << shift[d2]), a2a_cost, shards, sharded, new_lb - top_lb,
-                             (A2A, m, d, d2, sf2)))
+                ns = popped + (nv - base << shift[d2])
+                if lim < seen(ns, inf):
+                    nbrs.append((ns, a2a_cost, shards, sharded, new_lb - top_lb, (A2A, m, d, d2, sf2)))
         for m in range(M):
             bit = 1 << m
             if used & bit:
@@ -485,6 +503,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 base_dh += glb[mand | bit] - h_ag
             if base_f + step_cost + base_dh > ub:
                 continue
+            lim = gcost + step_cost + 1e-9
             for d2, sf2, c2 in tcodes[m]:
                 base = state >> shift[d2] & wmask
                 if not base and d2 != first_empty_scratch and d2 in scratch_set:
@@ -492,11 +511,13 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if nv in prefix_ok[d2] else lvl_lb[m]
+                new_lb = 0.0 if nv in prefix_ok[d2] else lb_at[d2][m]
                 if base_f + step_cost + base_dh + new_lb > ub:
                     continue
-                nbrs.append((cleared + (nv - base << shift[d2]), step_cost, shards * k[m], sharded | bit,
-                             base_dh + new_lb, (kind, m, None, d2, sf2)))
+                ns = cleared + (nv - base << shift[d2])
+                if lim < seen(ns, inf):
+                    nbrs.append((ns, step_cost, shards * k[m], sharded | bit, base_dh + new_lb,
+                                 (kind, m, None, d2, sf2)))
         if fuse:
             stacks_t = tuple(dec(state >> shift[d] & wmask) for d in range(T))
             for (nst, npa2, npb2), cost, nsh, dh, move in _fused_moves(P, stacks_t, pa, pb, n, shards, mand, h_ag,
@@ -690,6 +711,7 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
     # a zero heuristic: Dijkstra
     P.lvl_lb, P.lb_pa, P.lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
+    P.lb_at = [P.lvl_lb] * T
     P.cand, P.cand_mask, P.K_S = [], 0, 1
     P._table, P._bit_of, P._hag = [0.0], {}, {}
     P.scratch, P.scratch_set = [], set()
@@ -709,54 +731,56 @@ def placing_plan_cost(P: Problem) -> float:
     for d, st in enumerate(tgt):
         for p, lev in enumerate(st):
             where[lev[0]] = (d, p, lev)
-    shards = 1
+    shards, sharded = 1, 0
     for st in stacks:
         for m, _ in st:
             shards *= k[m]
-    g, lat, fac = P.g, P.lat, P.fac
-    pa, pb = P.start_pa, P.start_pb
+            sharded |= 1 << m
+    g, tab = P.g, P.tab
+    pa, pb, keep_p = P.start_pa, P.start_pb, P.dst_pmask
     cost = 0.0
 
-    def used(m):
-        return (pa | pb) >> m & 1 or any(mm == m for st in stacks for mm, _ in st)
-
     def next_up(m):  # m's target place is the next free one on its tensor dim
-        d, p, lev = where[m]
-        return d if len(stacks[d]) == p and tuple(stacks[d]) == tgt[d][:p] else None
+        d, p, _lev = where[m]
+        st = stacks[d]
+        return d if len(st) == p and (not p or tuple(st) == tgt[d][:p]) else None
 
     changed = True
     while changed:
         changed = False
-        for m in range(P.M):  # free pushes, and reduce-scatters, that extend a target prefix
-            if m not in where or next_up(m) is None:
+        for m, (d, _p, lev) in where.items():  # free pushes, and reduce-scatters, that extend a target prefix
+            bit = 1 << m
+            if next_up(m) is None:
                 continue
-            d = where[m][0]
-            if (pa | pb) >> m & 1 and not (pb >> m & 1 and P.dst_pmask >> m & 1):
-                cost += lat[REDUCE_SCATTER, m] + fac[REDUCE_SCATTER, m] * g / shards
-                pa, pb = pa & ~(1 << m), pb & ~(1 << m)
-            elif used(m):
+            if (pa | pb) & bit and not (pb & keep_p & bit):
+                cost += tab.rs_l[m] + tab.rs_f[m] * g / shards
+                pa, pb = pa & ~bit, pb & ~bit
+            elif (pa | pb | sharded) & bit:
                 continue
-            stacks[d].append(where[m][2])
+            stacks[d].append(lev)
             shards *= k[m]
+            sharded |= bit
             changed = True
         for d in range(T):  # levels above the common prefix leave: all-to-all to their place, or gather
+            st, t = stacks[d], tgt[d]
             keep = 0
-            while keep < len(stacks[d]) and keep < len(tgt[d]) and stacks[d][keep] == tgt[d][keep]:
+            while keep < len(st) and keep < len(t) and st[keep] == t[keep]:
                 keep += 1
-            if len(stacks[d]) > keep:
-                m, _ = stacks[d].pop()
+            if len(st) > keep:
+                m, _ = st.pop()
                 d2 = next_up(m) if m in where else None
                 if d2 is not None and d2 != d:
-                    cost += lat[ALL_TO_ALL, m] + fac[ALL_TO_ALL, m] * g / shards
+                    cost += tab.a2_l[m] + tab.a2_f[m] * g / shards
                     stacks[d2].append(where[m][2])
                 else:
-                    cost += lat[ALL_GATHER, m] + fac[ALL_GATHER, m] * g / shards
+                    cost += tab.ag_l[m] + tab.ag_f[m] * g / shards
                     shards //= k[m]
+                    sharded &= ~(1 << m)
                 changed = True
                 break
     for m in range(P.M):  # partial dims the target does not keep: all-reduce
-        if (pa | pb) >> m & 1 and not (pb >> m & 1 and P.dst_pmask >> m & 1):
-            cost += lat[ALL_REDUCE, m] + fac[ALL_REDUCE, m] * g / shards
+        if (pa | pb) >> m & 1 and not (pb & keep_p) >> m & 1:
+            cost += tab.ar_l[m] + tab.ar_f[m] * g / shards
     if any(tuple(st) != t for st, t in zip(stacks, tgt)):
         return math.inf  # stuck (a level whose place never frees up): no bound from this plan
     return cost
