@@ -166,7 +166,10 @@ class Problem:
         # target.  On its own target dim it has to leave and come back: gathered (then pushed for
         # free) or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards without
         # fusion only (a strided level can change place on its own dim in one step; a fused
-        # all-to-all carries several levels for one latency).
+        # all-to-all carries several levels for one latency).  Still consistent: a level's term
+        # changes only when it moves; leaving by all-to-all trades min(ag, 2 a2a) for <= min(ag, a2a)
+        # at a cost >= a2a, leaving by gather costs >= ag, and arriving (push, all-to-all or
+        # reduce-scatter) only raises the term.
         self.lb_at = lb_at = [lvl_lb] * self.T
         strided = any(sf != 1 for lv in (*self.src_levels, *self.dst_levels) for _, sf in lv)
         if not fuse and not strided and dst_where:
