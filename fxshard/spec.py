@@ -190,9 +190,11 @@ class ShardingSpec:
 
     @classmethod
     def make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
-             what: str = "sharding") -> ShardingSpec:
+             what: str = "sharding", cache: bool = True) -> ShardingSpec:
         """Validated spec; ``what`` names the value in error messages.  Memoised: annotation asks for
-        the same (placements, shape) pairs thousands of times."""
+        the same (placements, shape) pairs thousands of times (``cache=False``: built afresh)."""
+        if not cache:
+            return cls._make(mesh, placements, shape, dtype, shard_order, what)
         try:
             key_order = None if shard_order is None else (
                 tuple(sorted(shard_order.items())) if isinstance(shard_order, dict) else tuple(shard_order))

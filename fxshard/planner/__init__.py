@@ -118,12 +118,12 @@ def plan_redistribute(
     ``even_only=True`` keeps every intermediate state evenly sharded (needed to trace the plan into
     one rank-agnostic graph); src and dst must then be even too.  ``fuse=True`` also considers one
     collective over several mesh dims (a flattened group paying one base latency); such steps have
-    ``len(step.mesh_dims) > 1``.
+    ``len(step.mesh_dims) > 1``.  ``cache=False`` plans afresh (no memoised plan or spec is used).
     """
     mesh = MeshSpec.from_device_mesh(mesh)
     shape = tuple(int(s) for s in shape)
-    s = ShardingSpec.make(mesh, src, shape, dtype, src_order, what="plan_redistribute src")
-    d = ShardingSpec.make(mesh, dst, shape, dtype, dst_order, what="plan_redistribute dst")
+    s = ShardingSpec.make(mesh, src, shape, dtype, src_order, what="plan_redistribute src", cache=cache)
+    d = ShardingSpec.make(mesh, dst, shape, dtype, dst_order, what="plan_redistribute dst", cache=cache)
     cm = cost_model or CostModel(mesh)
     if cm.mesh.shape != mesh.shape:
         raise ValueError(f"cost model is for mesh {cm.mesh.shape}, plan is on mesh {mesh.shape}")
