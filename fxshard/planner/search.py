@@ -436,9 +436,10 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         used = sharded | pa | pb
         mand = sharded & cand_mask
         h_ag = glb[mand]
+        vals = [state >> sd & wmask for sd in shift]  # each tensor dim's stack
         first_empty_scratch = -1
         for d in scratch:
-            if not state >> shift[d] & wmask:
+            if not vals[d]:
                 first_empty_scratch = d
                 break
         depth -= 1
@@ -446,15 +447,14 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         nbrs = []  # (new_state, step_cost, new_shards, new_mask, dh, move)
         base_f = gcost + h
         for d in range(T):
-            sd = shift[d]
-            v = state >> sd & wmask
+            v = vals[d]
             if not v:
                 continue
             c = v % B
             m, sf = decode[c]
             bit = 1 << m
             rest = v // B
-            popped = state - (v - rest << sd)
+            popped = state - (v - rest << shift[d])
             top_lb = 0.0 if v in prefix_ok[d] else lb_at[d][m]
             step_cost = ag_l[m] + ag_f[m] * n
             dh = glb[mand & ~bit] - h_ag - top_lb
@@ -470,7 +470,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                         continue
                     base = rest
                 else:
-                    base = state >> shift[d2] & wmask
+                    base = vals[d2]
                     if not base and d2 != first_empty_scratch and d2 in scratch_set:
                         continue
                 nv = base * B + c2
@@ -508,7 +508,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 continue
             lim = gcost + step_cost + 1e-9
             for d2, sf2, c2 in tcodes[m]:
-                base = state >> shift[d2] & wmask
+                base = vals[d2]
                 if not base and d2 != first_empty_scratch and d2 in scratch_set:
                     continue
                 nv = base * B + c2
@@ -522,7 +522,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                     nbrs.append((ns, step_cost, shards * k[m], sharded | bit, base_dh + new_lb,
                                  (kind, m, None, d2, sf2)))
         if fuse:
-            stacks_t = tuple(dec(state >> shift[d] & wmask) for d in range(T))
+            stacks_t = tuple(dec(v) for v in vals)
             for (nst, npa2, npb2), cost, nsh, dh, move in _fused_moves(P, stacks_t, pa, pb, n, shards, mand, h_ag,
                                                                        first_empty_scratch):
                 nmask = 0
