@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import math
 import random
 import statistics
@@ -66,12 +67,21 @@ def random_case(rng, mesh):
 
 
 def timed(fn, repeat=1):
+    """Best of ``repeat`` runs, with the garbage collector paused while timing (as ``timeit``
+    does): a collection triggered by the other planners' garbage would otherwise land at random
+    in whichever planner runs next.  Applied alike to every planner."""
     best = math.inf
     out = None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            t = time.perf_counter()
+            out = fn()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        if enabled:
+            gc.enable()
     return out, best
 
 
