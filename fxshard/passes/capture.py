@@ -10,6 +10,7 @@ came from (``nn_module_stack``), its source line and a fake-tensor ``meta["val"]
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -121,7 +122,9 @@ def _install_boundary_hooks(module: nn.Module, hooked: dict[str, tuple[int, int]
     return handles
 
 
+@functools.lru_cache(maxsize=1)
 def _decomposition_table():
+    """torch.export's default decompositions but scaled-dot-product attention (built once: ~70 ms)."""
     table = torch.export.default_decompositions()
     for op in list(table.keys()):
         if "scaled_dot_product" in str(op):
@@ -462,7 +465,8 @@ def _check_no_input_mutation(gm: fx.GraphModule) -> None:
 
 def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
                   boundaries: dict[str, tuple[int, int]] | None = None,
-                  input_kinds: Sequence[tuple[str, str | None]] | None = None) -> Captured:
+                  input_kinds: Sequence[tuple[str, str | None]] | None = None,
+                  reuse_layers: bool = False) -> Captured:
     """The joint forward+backward ATen graph of ``model`` (AOTAutograd's export with descriptors).
 
     Placeholders: parameters, buffers, user inputs, then one tangent (incoming gradient) per
@@ -471,7 +475,12 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     which is which: ("output", i), ("grad_param", fqn), ("grad_input", i).
 
     ``input_kinds``: (kind, FQN) per tensor input, when some inputs are really parameters or buffers
-    (a dynamo graph takes its parameters as inputs); user inputs are then renumbered."""
+    (a dynamo graph takes its parameters as inputs); user inputs are then renumbered.
+
+    ``reuse_layers``: trace each repeated layer once and stitch copies of its joint graph in
+    (``fxshard.passes.stitch``: the model's own code is still traced, layers of equal state are
+    assumed to compute the same function); falls back to the plain trace, with a log line, where
+    that does not apply."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..adapter import describe, export_joint, lazy_graph_modules
@@ -484,9 +493,14 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) and not _is_fake_of(fm, x) else x
              for x in example_inputs]
     try:
-        with fm, warnings.catch_warnings(), lazy_graph_modules():
+        with warnings.catch_warnings(), lazy_graph_modules():
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            gm, out_spec = export_joint(module, fakes, _decomposition_table())
+            gm = None
+            if reuse_layers:
+                gm, out_spec = _export_stitched(module, fm, fakes)
+            if gm is None:
+                with fm:
+                    gm, out_spec = export_joint(module, fakes, _decomposition_table())
     except Exception as e:
         raise RuntimeError(f"fxshard.capture: could not trace the forward+backward of {type(module).__name__}: "
                            f"{e}") from e
@@ -537,6 +551,27 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     c.training = True
     c.out_spec = out_spec
     return c
+
+
+def _export_stitched(module: nn.Module, fm, fakes):
+    """(joint graph, out spec) with each repeated layer traced once, or (None, None) where the
+    model does not allow it (logged)."""
+    from ..adapter import export_joint
+    from . import stitch
+
+    try:
+        with stitch.opaque_layers(module, fm, fakes, _decomposition_table(), export_joint) as inline:
+            with fm:
+                gm, out_spec = export_joint(module, fakes, _decomposition_table())
+            return inline(gm), out_spec
+    except Exception as e:
+        cause = e
+        while cause is not None and not isinstance(cause, stitch.Unsupported):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        stitch.log.info("fxshard.capture: tracing every layer (reuse_layers does not apply: %s)", cause)
+        return None, None
 
 
 def _is_fake_of(mode, value) -> bool:

@@ -1,0 +1,387 @@
+"""Trace a repeated layer once: the joint graph of a deep model from one layer's joint graph.
+
+AOTAutograd traces every op of every layer through four Python dispatch modes, ~0.3 s per
+LLaMA-3-8B layer here, so a 32-layer capture costs ~9 s before any planning.  With
+``capture(..., reuse_layers=True)`` the model is traced with each repeated layer as one opaque op
+(``fxshard::layer_fwd`` / ``fxshard::layer_bwd``, a custom autograd function), each distinct layer
+is traced once on its own (forward + backward), and every opaque pair is then replaced by a copy of
+that layer's joint graph wired to the layer's own parameters, inputs and incoming gradient.
+
+What is traced for real: the model's own code around the layers (so an index-dependent loop, a
+skip connection or a different argument per layer is captured as written) and each layer's code
+once per call signature.  What is assumed: two layers whose state is equal (same class and
+submodule structure, parameter and buffer shapes/dtypes/strides/requires_grad, equal plain
+attributes, no hooks inside that differ) compute the same function of their tensors.  A layer
+whose state differs (say a ``layer_idx`` attribute, or a sliding-window flag) gets its own trace;
+a call this pass cannot represent (keyword or non-tensor arguments, non-tensor outputs) makes the
+whole capture fall back to the plain trace, with a log line that says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+log = logging.getLogger("fxshard.stitch")
+
+_LAYERS: dict[str, _LayerTrace] = {}  # key -> traced layer, for the opaque ops' fake kernels
+
+
+class Unsupported(Exception):
+    """This model's layers cannot be traced once; the caller falls back to the plain trace."""
+
+
+@dataclass
+class _LayerTrace:
+    key: str
+    template: nn.Module  # the layer whose code was traced (its FQN: ``fqn``)
+    fqn: str
+    state_names: list[str]  # parameters then buffers, as passed to the opaque op
+    out_meta: list[tuple]  # (shape, stride, dtype, device) per forward output
+    single: bool  # the layer returns one tensor (else a tuple)
+    grad_of: list[tuple[str, int]]  # what layer_bwd returns: ("state", i) / ("input", i)
+    joint: fx.GraphModule | None = None
+
+
+# ---- the opaque ops --------------------------------------------------------------------------------
+
+@torch.library.custom_op("fxshard::layer_fwd", mutates_args=())
+def layer_fwd(key: str, state: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError("fxshard::layer_fwd exists only while fxshard traces a model (capture reuse_layers=True)")
+
+
+@layer_fwd.register_fake
+def _layer_fwd_fake(key, state, inputs):
+    lt = _LAYERS[key]
+    return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype, device in lt.out_meta]
+
+
+@torch.library.custom_op("fxshard::layer_bwd", mutates_args=())
+def layer_bwd(key: str, state: list[torch.Tensor], inputs: list[torch.Tensor],
+              grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError("fxshard::layer_bwd exists only while fxshard traces a model (capture reuse_layers=True)")
+
+
+@layer_bwd.register_fake
+def _layer_bwd_fake(key, state, inputs, grads):
+    lt = _LAYERS[key]
+    return [torch.empty_like(state[i] if kind == "state" else inputs[i]) for kind, i in lt.grad_of]
+
+
+def _setup(ctx, inputs, output):
+    key, state, ins = inputs
+    ctx.key, ctx.n_state = key, len(state)
+    ctx.save_for_backward(*state, *ins)
+
+
+def _backward(ctx, grads):
+    saved = ctx.saved_tensors
+    state, ins = list(saved[:ctx.n_state]), list(saved[ctx.n_state:])
+    lt = _LAYERS[ctx.key]
+    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+             for g, (shape, _stride, dtype, device) in zip(grads, lt.out_meta)]
+    out = layer_bwd(ctx.key, state, ins, grads)
+    g_state: list = [None] * len(state)
+    g_in: list = [None] * len(ins)
+    for (kind, i), g in zip(lt.grad_of, out):
+        (g_state if kind == "state" else g_in)[i] = g
+    return None, g_state, g_in
+
+
+layer_fwd.register_autograd(_backward, setup_context=_setup)
+LAYER_FWD = torch.ops.fxshard.layer_fwd.default
+LAYER_BWD = torch.ops.fxshard.layer_bwd.default
+
+
+# ---- which layers are alike ------------------------------------------------------------------------
+
+_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks", "_is_full_backward_hook"}
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _value_key(v):
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return ("dict", tuple(sorted((k, _value_key(x)) for k, x in v.items())))
+    return ("object", id(v))  # anything else: alike only if it is the same object (a shared config)
+
+
+def _tensor_key(t):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+
+def state_signature(layer: nn.Module):
+    """Equal signatures: the layers compute the same function of their tensors (see module doc).
+    Hooks on the layer itself run outside the opaque op and are not part of it; hooks inside it
+    must be the very same functions."""
+    parts = []
+    for name, m in layer.named_modules():
+        attrs = []
+        for k, v in vars(m).items():
+            if k in _SKIP_ATTRS:
+                continue
+            if k in _HOOKS:
+                if name and v:
+                    attrs.append((k, tuple(id(h) for h in v.values())))
+                continue
+            attrs.append((k, _value_key(v)))
+        parts.append((name, type(m), m.training, tuple(sorted(attrs, key=lambda a: a[0])),
+                      tuple((n, _tensor_key(p)) for n, p in m._parameters.items()),
+                      tuple((n, _tensor_key(b)) for n, b in m._buffers.items())))
+    return tuple(parts)
+
+
+def repeated_layers(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """Groups (>= 2) of equal-state children of a ModuleList / Sequential, outermost only."""
+    groups = []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_sig: dict = {}
+        for name, child in mod.named_children():
+            by_sig.setdefault(state_signature(child), []).append((f"{fqn}.{name}" if fqn else name, child))
+        groups += [g for g in by_sig.values() if len(g) > 1]
+    inner = {f for g in groups for f, _ in g}
+    return [g for g in groups if not any(f.startswith(o + ".") for f, _ in g for o in inner)]
+
+
+# ---- capture ---------------------------------------------------------------------------------------
+
+class _Alone(nn.Module):
+    """One layer traced on its own: its class's forward (its own hooks are the model's business)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.inner = layer
+
+    def forward(self, *args):
+        return type(self.inner).forward(self.inner, *args)
+
+
+def _state(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    names, tensors = [], []
+    for n, p in layer.named_parameters():
+        names.append(n)
+        tensors.append(p)
+    for n, b in layer.named_buffers():
+        names.append(n)
+        tensors.append(b)
+    return names, tensors
+
+
+@contextlib.contextmanager
+def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joint):
+    """Inside: ``model``'s repeated layers are opaque ops.  A first pass runs the model on the fake
+    inputs to find every layer call signature and trace each once (outside any other trace); the
+    context then yields a function that inlines the layers into a graph traced inside it."""
+    groups = repeated_layers(model)
+    if not groups:
+        raise Unsupported("no repeated layers (equal-state children of a ModuleList / Sequential)")
+    traces: dict[tuple, _LayerTrace] = {}
+    patched = []
+    prefix = f"{id(model):x}"
+
+    def signature(gi, fqn, args, kwargs):
+        if kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args):
+            raise Unsupported(f"{fqn} is called with keyword or non-tensor arguments")
+        return gi, tuple(_tensor_key(a) + (a.device,) for a in args)
+
+    def make_probe(gi, fqn, layer):
+        def probe(*args, **kwargs):
+            sig = signature(gi, fqn, args, kwargs)
+            lt = traces.get(sig)
+            if lt is None:
+                lt = traces[sig] = _trace_layer(f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode,
+                                                decompositions, export_joint)
+            grad = torch.is_grad_enabled() and (any(a.requires_grad for a in args) or
+                                                any(p.requires_grad for p in layer.parameters()))
+            outs = [torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(grad and dt.is_floating_point)
+                    for s, st, dt, dev in lt.out_meta]
+            return outs[0] if lt.single else tuple(outs)
+        return probe
+
+    def make_call(gi, fqn, layer):
+        def call(*args, **kwargs):
+            sig = signature(gi, fqn, args, kwargs)
+            lt = traces.get(sig)
+            if lt is None:
+                raise Unsupported(f"{fqn} is called with inputs the probing pass did not see ({sig[1]})")
+            out = layer_fwd(lt.key, _state(layer)[1], list(args))
+            return out[0] if lt.single else tuple(out)
+        return call
+
+    try:
+        for gi, group in enumerate(groups):
+            for fqn, layer in group:
+                patched.append((layer, "forward" in vars(layer), vars(layer).get("forward")))
+                layer.forward = make_probe(gi, fqn, layer)
+        with fake_mode:
+            model(*fakes)
+        for gi, group in enumerate(groups):
+            for fqn, layer in group:
+                layer.forward = make_call(gi, fqn, layer)
+        yield lambda gm: _stitch(gm, {lt.key: lt for lt in traces.values()})
+    finally:
+        for layer, had, old in patched:
+            if had:
+                layer.forward = old
+            else:
+                del layer.forward
+        for lt in traces.values():
+            _LAYERS.pop(lt.key, None)
+
+
+def _trace_layer(key, fqn, layer, args, fake_mode, decompositions, export_joint) -> _LayerTrace:
+    from ..adapter import describe
+
+    fakes = [(a.detach() if _is_fake(a, fake_mode) else fake_mode.from_tensor(a.detach()))
+             .requires_grad_(a.requires_grad) for a in args]
+    with fake_mode:
+        gm, out_spec = export_joint(_Alone(layer), fakes, decompositions)
+    names, _ = _state(layer)
+    index = {n: i for i, n in enumerate(names)}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs, grad_of = [], []
+    for val, desc in zip(out.args[0], out.meta.get("desc", ())):
+        kind, what = describe(desc)
+        if kind == "output":
+            v = val.meta["val"]
+            outs.append((tuple(v.shape), tuple(v.stride()), v.dtype, v.device))
+        elif kind == "grad_param":
+            grad_of.append(("state", index[what[len("inner."):]]))
+        elif kind == "grad_input":
+            grad_of.append(("input", what))
+        elif val is not None:
+            raise Unsupported(f"{fqn}: its joint graph has an output of kind {kind}")
+    for p in gm.graph.nodes:
+        if p.op == "placeholder" and describe(p.meta.get("desc"))[0] not in ("param", "buffer", "input", "tangent"):
+            raise Unsupported(f"{fqn}: its joint graph has an input {p.meta.get('desc')}")
+    lt = _LayerTrace(key, layer, fqn, names, outs, _single_output(out_spec), grad_of, gm)
+    _LAYERS[key] = lt
+    return lt
+
+
+def _single_output(out_spec) -> bool:
+    import torch.utils._pytree as pytree
+
+    return isinstance(out_spec, pytree.TreeSpec) and out_spec.is_leaf()
+
+
+def _is_fake(t, mode) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) and t.fake_mode is mode
+
+
+def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModule:
+    """Replace every layer_fwd / layer_bwd pair by a copy of its layer's joint graph."""
+    graph = gm.graph
+    seq = max((n.meta.get("seq_nr", -1) for n in graph.nodes), default=-1) + 1
+    # AOT tags a gradient accumulation with the sequence number of the last forward op (the
+    # engine's last): in a plain trace that is the model's, so copies' accumulations get it too
+    last = max((n.meta["seq_nr"] for n in graph.nodes
+                if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta), default=-1)
+    fwd = [n for n in graph.nodes if n.op == "call_function" and n.target is LAYER_FWD]
+    bwd_of = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is LAYER_BWD:
+            bwd_of[(n.args[0], tuple(n.args[1]), tuple(n.args[2]))] = n
+    pairs = [(f, bwd_of.pop((f.args[0], tuple(f.args[1]), tuple(f.args[2])), None)) for f in fwd]  # before edits
+    for f, b in pairs:
+        seq = _inline(graph, traces[f.args[0]], f, b, seq, last)
+    if bwd_of:
+        raise Unsupported(f"layer backward calls without their forward: {[n.name for n in bwd_of.values()]}")
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq: int, last: int) -> int:
+    """Copy ``lt.joint`` into ``graph``: forward nodes before ``f``, backward nodes before ``b``;
+    the copy's ``seq_nr`` (which ties a backward op to its forward op) start at ``seq``, its
+    gradient accumulations take ``last`` (as in a trace of the whole model)."""
+    from ..adapter import describe
+
+    joint = lt.joint
+    fqn = f.name
+    state, inputs = list(f.args[1]), list(f.args[2])
+    grads = list(b.args[3]) if b is not None else []
+    env: dict[fx.Node, object] = {}
+    backward: set[fx.Node] = set()
+    for p in joint.graph.nodes:
+        if p.op != "placeholder":
+            continue
+        kind, what = describe(p.meta.get("desc"))
+        if kind in ("param", "buffer"):
+            env[p] = state[lt.state_names.index(what[len("inner."):])]
+        elif kind == "input":
+            env[p] = inputs[what]
+        elif kind == "tangent":
+            if b is None:
+                raise Unsupported(f"{fqn}: a layer output needs a gradient but no backward call was traced")
+            env[p] = grads[what]
+            backward.add(p)
+    base = seq
+    top = seq
+    own_last = max((n.meta["seq_nr"] for n in joint.graph.nodes
+                    if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta), default=None)
+    parts: tuple[list, list] = ([], [])
+    for n in joint.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        in_bwd = n.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in n.all_input_nodes)
+        if in_bwd:
+            backward.add(n)
+            if b is None:
+                raise Unsupported(f"{fqn}: backward nodes but no backward call")
+        parts[in_bwd].append(n)
+    for where, nodes in ((f, parts[0]), (b, parts[1])):
+        if nodes:
+            top = _copy_nodes(graph, where, nodes, env, base, top, last, own_last)
+    out = next(n for n in joint.graph.nodes if n.op == "output")
+    fw_vals, g_vals = [], []
+    for val, desc in zip(out.args[0], out.meta.get("desc", ())):
+        kind, _ = describe(desc)
+        if kind == "output":
+            fw_vals.append(env[val])
+        elif kind in ("grad_param", "grad_buffer", "grad_input"):
+            g_vals.append(env[val])
+    for node, values in ((b, g_vals), (f, fw_vals)):  # the opaque calls' results -> the copies
+        if node is None:
+            continue
+        for u in list(node.users):
+            if u.op != "call_function" or u.target is not operator.getitem:
+                raise Unsupported(f"{node.name} is used by {u.name} directly")
+            u.replace_all_uses_with(values[u.args[1]])
+            graph.erase_node(u)
+        graph.erase_node(node)
+    return top
+
+
+def _copy_nodes(graph, where, nodes, env, base, top, last, own_last) -> int:
+    add = torch.ops.aten.add.Tensor
+    with graph.inserting_before(where):
+        for n in nodes:
+            c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)
+            seq = n.meta.get("seq_nr")
+            if seq is not None:
+                if n.target is add and seq == own_last and n.meta.get("partitioner_tag") == "is_backward":
+                    c.meta["seq_nr"] = last  # an accumulation (the backward of an add is no add)
+                else:
+                    c.meta["seq_nr"] = base + seq
+                    top = max(top, base + seq + 1)
+            env[n] = c
+    return top
