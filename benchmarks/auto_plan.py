@@ -2,7 +2,8 @@
 
 The model (32 layers, hidden 4096, 32 heads, 8 kv heads, ffn 14336, vocab 128256, bf16) is built on
 the meta device and captured as a joint forward+backward graph for a fake 8x8 (dp, tp) mesh; no
-process group is needed.  For each layer count: capture time (torch's AOT export), auto's planning
+process group is needed.  For each layer count: capture time (torch's AOT export; each repeated
+layer traced once, ``reuse_layers``, unless --no-reuse), auto's planning
 time (annotate with the global solve, then redistribute) and its breakdown, and the modelled step
 cost (communication + compute, the figures auto minimises) of auto's plan and of the hand plans
 (Megatron TP on tp with data parallel on dp, and Megatron + FSDP-style parameters sharded on dp),
@@ -49,9 +50,9 @@ def fsdp(c):
                 fxshard.set_placement(n, tuple(pl))
 
 
-def run(model, tokens, mesh, plan, budget=None, edit=None):
+def run(model, tokens, mesh, plan, budget=None, edit=None, reuse=False):
     t0 = time.perf_counter()
-    c = capture(model, (tokens,), mesh=mesh, plan=plan, training=True)
+    c = capture(model, (tokens,), mesh=mesh, plan=plan, training=True, reuse_layers=reuse)
     t1 = time.perf_counter()
     annotate(c, auto_options=fxshard.AutoOptions(memory_budget=budget) if plan == "auto" else None)
     if edit:
@@ -68,12 +69,13 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--no-reuse", action="store_true", help="trace every layer (capture without reuse_layers)")
     args = ap.parse_args()
     mesh = fxshard.MeshSpec((8, 8), names=("dp", "tp"))
     print(f"LLaMA-3-8B-shaped, bf16, joint fwd+bwd, mesh {mesh.shape} (dp, tp), batch {args.batch} x seq {args.seq}")
-    print("| layers | nodes | capture s | auto plan s (median) | solve breakdown | auto cost ms | "
+    print("| layers | nodes | capture s | auto plan s (median) | capture + plan s | solve breakdown | auto cost ms | "
           "Megatron+DP ms | Megatron+FSDP ms | auto / best hand | state GiB/rank auto, TP+DP, TP+FSDP |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
         model = llama3_8b(layers)
         tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
@@ -81,14 +83,16 @@ def main():
         hf, _, _ = run(model, tokens, mesh, zoo.megatron_tp_plan(), edit=fsdp)
         ch, cf = hand.modelled_cost(), hf.modelled_cost()
         budget = cf["state_bytes"] * 4  # parameters + gradients + Adam's two states, as FSDP+TP holds them
-        times = []
+        times, caps = [], []
         for _ in range(args.repeat):
-            auto, cap_s, plan_s = run(model, tokens, mesh, "auto", budget=budget)
+            auto, cap_s, plan_s = run(model, tokens, mesh, "auto", budget=budget, reuse=not args.no_reuse)
             times.append(plan_s)
+            caps.append(cap_s)
+        cap_s, plan_s = statistics.median(caps), statistics.median(times)
         ca, rep = auto.modelled_cost(), auto.captured.auto
         best = min(ch["total_us"], cf["total_us"])
         brk = ", ".join(f"{k} {v:.2f}" for k, v in rep.times.items() if k != "total")
-        print(f"| {layers} | {rep.nodes} | {cap_s:.1f} | {statistics.median(times):.2f} | {brk} | "
+        print(f"| {layers} | {rep.nodes} | {cap_s:.1f} | {plan_s:.2f} | {cap_s + plan_s:.1f} | {brk} | "
               f"{ca['total_us'] / 1e3:.1f} | {ch['total_us'] / 1e3:.1f} | {cf['total_us'] / 1e3:.1f} | "
               f"{ca['total_us'] / best:.2f}x | {ca['state_bytes'] / GIB:.2f}, {ch['state_bytes'] / GIB:.2f}, "
               f"{cf['state_bytes'] / GIB:.2f} |", flush=True)

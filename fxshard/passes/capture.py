@@ -9,6 +9,7 @@ came from (``nn_module_stack``), its source line and a fake-tensor ``meta["val"]
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -97,6 +98,19 @@ def _boundary_fake(x, tag):
 BOUNDARY = torch.ops.fxshard.boundary.default
 
 
+_MARKING = [True]  # boundary hooks mark values (off while reuse_layers probes call signatures)
+
+
+@contextlib.contextmanager
+def boundaries_off():
+    """Boundary hooks pass values through unmarked (a marker changes no tensor metadata)."""
+    _MARKING[0] = False
+    try:
+        yield
+    finally:
+        _MARKING[0] = True
+
+
 def _install_boundary_hooks(module: nn.Module, hooked: dict[str, tuple[int, int]]):
     handles = []
     modules = dict(module.named_modules())
@@ -104,10 +118,14 @@ def _install_boundary_hooks(module: nn.Module, hooked: dict[str, tuple[int, int]
         mod = modules[fqn]
 
         def pre(_m, args, fqn=fqn, n_in=n_in):
+            if not _MARKING[0]:
+                return None
             return tuple(boundary(a, f"{fqn}:in:{i}") if i < n_in and isinstance(a, torch.Tensor) else a
                          for i, a in enumerate(args))
 
         def post(_m, _args, out, fqn=fqn, n_out=n_out):
+            if not _MARKING[0]:
+                return None
             if isinstance(out, torch.Tensor):
                 return boundary(out, f"{fqn}:out:0") if n_out > 0 else out
             if isinstance(out, tuple):

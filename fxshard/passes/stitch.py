@@ -228,7 +228,9 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             for fqn, layer in group:
                 patched.append((layer, "forward" in vars(layer), vars(layer).get("forward")))
                 layer.forward = make_probe(gi, fqn, layer)
-        with fake_mode:
+        from .capture import boundaries_off
+
+        with fake_mode, boundaries_off():
             model(*fakes)
         for gi, group in enumerate(groups):
             for fqn, layer in group:
