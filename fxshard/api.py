@@ -14,6 +14,8 @@ Each stage reads and writes ``node.meta["fxshard"]`` (``fxshard.passes.capture.N
 
 from __future__ import annotations
 
+import functools
+import gc
 from collections.abc import Callable, Sequence
 
 import torch.fx as fx
@@ -34,6 +36,26 @@ from .spec import ShardingSpec
 PASS_POINTS = ("after_annotate", "after_redistribute", "after_fuse", "after_lower")
 
 
+def _gc_paused(stage):
+    """Run a stage with Python's cyclic garbage collector paused (restored after, no forced collect).
+
+    The stages allocate hundreds of thousands of small objects (FX nodes, fake tensors, specs) next
+    to long-lived ones (the model, earlier graphs); every gen-2 collection triggered meanwhile walks
+    them all.  On the 32-layer LLaMA-3-8B capture + auto plan that is 0.6-0.7 s of ~5 s.  The garbage
+    a stage leaves is collected by the next collection after it."""
+    @functools.wraps(stage)
+    def run(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return run
+
+
+@_gc_paused
 def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | None = None,
             tp_dim: int | str | None = None, cost_model=None, fuse: bool = True, training: bool = False,
             reuse_layers: bool = False) -> Captured:
@@ -59,6 +81,7 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan
     return c
 
 
+@_gc_paused
 def annotate(captured: Captured, *, input_placements: Sequence | None = None,
              output_placements: Sequence | None = None, auto_options: AutoOptions | None = None) -> Captured:
     """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance.
@@ -135,6 +158,7 @@ def set_placement(node: fx.Node, placements: Sequence, *, cost_model=None) -> No
     rec.input_specs, rec.spec, rec.provenance = best[1], want, "set_placement"
 
 
+@_gc_paused
 def redistribute(captured: Captured) -> Captured:
     """Stage 3: explicit redistribute nodes wherever a consumer needs other placements."""
     if captured.stage != "annotated":
@@ -144,6 +168,7 @@ def redistribute(captured: Captured) -> Captured:
     return captured
 
 
+@_gc_paused
 def program(captured: Captured, *, after_lower: Sequence[Callable] = ()) -> ShardedProgram:
     """The ShardedProgram of a redistributed graph (it lowers to the per-rank graph on demand)."""
     if captured.stage != "redistributed":

@@ -257,9 +257,14 @@ def _signature(nodes: list[fx.Node], prefix: str) -> list:
                 return a[len(prefix):]
             if a.startswith(GRAD_TAG):
                 return GRAD_TAG
-        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
+            return a
+        if isinstance(a, float):
+            return ("float", a.hex())  # exact: signatures are compared as tuples (1 == 1.0 == True)
+        if isinstance(a, (bool, int)):
+            return (type(a).__name__, a)
+        return a if isinstance(a, (type(None), torch.dtype)) else repr(a)
 
-    sig = []
+    sig = []  # a tuple of hashable, exactly comparable parts (cheaper to compare than its repr)
     for n in nodes:
         v = n.meta.get("val")
         shape = tuple((tuple(x.shape), x.dtype) for x in flat_args(v) if isinstance(x, torch.Tensor))
@@ -528,12 +533,12 @@ class AutoPlanner:
                 first_core: dict = {}
                 first_all: dict = {}
                 for k, (core, acc) in enumerate(insts):
-                    sig = repr(_signature(core, members[k]))
+                    sig = tuple(_signature(core, members[k]))
                     base = first_core.setdefault(sig, k)
                     if base != k:
                         share.update(zip(core, insts[base][0]))
                         self.report.shared_layers += 1
-                    base = first_all.setdefault(repr(_signature(core + acc, members[k])), k)
+                    base = first_all.setdefault(tuple(_signature(core + acc, members[k])), k)
                     if base != k:
                         share.update(zip(acc, insts[base][1]))
         self.provenance: dict[int, str] = {}
@@ -616,9 +621,9 @@ class AutoPlanner:
         hit = self._tables.get(key)
         if hit is not None and all(i in hit[0] for i in out_ids) and all(i in hit[0] for i in in_ids):
             pos, t = hit
-            same = torch.tensor([a == b for a in out_ids for b in in_ids]).view(len(out_ids), len(in_ids))
+            o, i = torch.tensor(out_ids), torch.tensor(in_ids)
             sub = t[torch.tensor([pos[a] for a in out_ids])][:, torch.tensor([pos[b] for b in in_ids])]
-            return torch.where(same, torch.zeros_like(sub), sub)
+            return sub.masked_fill(o[:, None] == i[None, :], 0.0)
         uo = sorted(set(out_ids))
         ui = sorted(set(in_ids))
         m = torch.tensor([[self.cost(a, b) for b in ui] for a in uo], dtype=torch.float64)
