@@ -521,7 +521,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 if lim < seen(ns, inf):
                     nbrs.append((ns, step_cost, shards * k[m], sharded | bit, base_dh + new_lb,
                                  (kind, m, None, d2, sf2)))
-        if fuse:
+        # fused moves need two levels on one stack or two partial dims
+        if fuse and (max(vals, default=0) >= B or (pa | pb) & ((pa | pb) - 1)):
             stacks_t = tuple(dec(v) for v in vals)
             for (nst, npa2, npb2), cost, nsh, dh, move in _fused_moves(P, stacks_t, pa, pb, n, shards, mand, h_ag,
                                                                        first_empty_scratch):
