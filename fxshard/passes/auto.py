@@ -243,8 +243,12 @@ def _layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, l
     return out
 
 
-def _signature(nodes: list[fx.Node], prefix: str) -> list:
+def _signature(nodes: list[fx.Node], prefix: str, memo: dict | None = None) -> list:
+    """A layer instance's nodes as comparable tuples: op, target, role, FQN inside the layer, output
+    shapes, and arguments (nodes of the instance by position, others by shape).  ``memo`` keeps each
+    node's position-free part between calls."""
     pos = {n: i for i, n in enumerate(nodes)}
+    memo = {} if memo is None else memo
 
     def arg(a):
         if isinstance(a, fx.Node):
@@ -266,12 +270,14 @@ def _signature(nodes: list[fx.Node], prefix: str) -> list:
 
     sig = []  # a tuple of hashable, exactly comparable parts (cheaper to compare than its repr)
     for n in nodes:
-        v = n.meta.get("val")
-        shape = tuple((tuple(x.shape), x.dtype) for x in flat_args(v) if isinstance(x, torch.Tensor))
-        rec = info(n)
-        sig.append((n.op, str(n.target) if n.op == "call_function" else None, rec.kind,
-                    rec.fqn[len(prefix):] if rec.fqn else None, shape,
-                    arg_key((n.args, n.kwargs), arg)))
+        static = memo.get(n)
+        if static is None:
+            v = n.meta.get("val")
+            shape = tuple((tuple(x.shape), x.dtype) for x in flat_args(v) if isinstance(x, torch.Tensor))
+            rec = info(n)
+            static = memo[n] = (n.op, str(n.target) if n.op == "call_function" else None, rec.kind,
+                                rec.fqn[len(prefix):] if rec.fqn else None, shape)
+        sig.append((static, arg_key((n.args, n.kwargs), arg)))
     return sig
 
 
@@ -532,13 +538,14 @@ class AutoPlanner:
                 members = [f for g in self.blocks if g[0] == prefix for f in g]
                 first_core: dict = {}
                 first_all: dict = {}
+                memo: dict = {}
                 for k, (core, acc) in enumerate(insts):
-                    sig = tuple(_signature(core, members[k]))
+                    sig = tuple(_signature(core, members[k], memo))
                     base = first_core.setdefault(sig, k)
                     if base != k:
                         share.update(zip(core, insts[base][0]))
                         self.report.shared_layers += 1
-                    base = first_all.setdefault(tuple(_signature(core + acc, members[k])), k)
+                    base = first_all.setdefault(tuple(_signature(core + acc, members[k], memo)), k)
                     if base != k:
                         share.update(zip(acc, insts[base][1]))
         self.provenance: dict[int, str] = {}
