@@ -2,8 +2,8 @@
 
 The model (32 layers, hidden 4096, 32 heads, 8 kv heads, ffn 14336, vocab 128256, bf16) is built on
 the meta device and captured as a joint forward+backward graph for a fake 8x8 (dp, tp) mesh; no
-process group is needed.  For each layer count: capture time (torch's AOT export; each repeated
-layer traced once, ``reuse_layers``, unless --no-reuse), auto's planning
+process group is needed.  For each layer count: capture time (torch's AOT export, each repeated
+layer traced once as ``capture`` does by default; --no-reuse traces every layer), auto's planning
 time (annotate with the global solve, then redistribute) and its breakdown, and the modelled step
 cost (communication + compute, the figures auto minimises) of auto's plan and of the hand plans
 (Megatron TP on tp with data parallel on dp, and Megatron + FSDP-style parameters sharded on dp),
@@ -50,7 +50,7 @@ def fsdp(c):
                 fxshard.set_placement(n, tuple(pl))
 
 
-def run(model, tokens, mesh, plan, budget=None, edit=None, reuse=False):
+def run(model, tokens, mesh, plan, budget=None, edit=None, reuse=True):
     t0 = time.perf_counter()
     c = capture(model, (tokens,), mesh=mesh, plan=plan, training=True, reuse_layers=reuse)
     t1 = time.perf_counter()

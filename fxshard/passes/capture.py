@@ -582,13 +582,14 @@ def _export_stitched(module: nn.Module, fm, fakes):
             with fm:
                 gm, out_spec = export_joint(module, fakes, _decomposition_table())
             return inline(gm), out_spec
-    except Exception as e:
+    except Exception as e:  # anything in the way: the plain trace (which reports its own errors)
         cause = e
         while cause is not None and not isinstance(cause, stitch.Unsupported):
             cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        stitch.log.info("fxshard.capture: tracing every layer (reuse_layers does not apply: %s)", cause)
+        why = cause if cause is not None else f"{type(e).__name__}: {e}"
+        quiet = str(why).startswith("no repeated layers")  # nothing to reuse: not worth a line
+        (stitch.log.debug if quiet else stitch.log.info)(
+            "fxshard.capture: tracing every layer (reuse_layers does not apply: %s)", why)
         return None, None
 
 
