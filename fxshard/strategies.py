@@ -17,7 +17,9 @@ On top of DTensor's rules, fxshard's own (``register_rule`` in a later issue):
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
 
 import torch
 import torch.distributed.tensor._ops  # noqa: F401  (registers all strategies)
@@ -35,6 +37,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.utils._pytree import tree_flatten, tree_map
 
 _SP = DTensor._op_dispatcher.sharding_propagator
+log = logging.getLogger("fxshard")
 Plc = tuple[Placement, ...]
 Candidate = tuple[tuple[Plc | None, ...], tuple[Plc | None, ...]]
 
@@ -86,6 +89,20 @@ def _collect(strategy, n_in: int, found: dict) -> None:
         found.setdefault((i, o), None)
 
 
+def _by_name(fn, first, **named):
+    """Call a private DTensor helper whose parameters were renamed or added across torch
+    releases: ``first`` positionally, then every parameter it has by name (``num_inputs`` or
+    ``num_input_tensors``, ...); names it lacks are dropped."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    aliases = {"num_input_tensors": "num_inputs"}
+    kwargs = {}
+    for p in params:
+        name = aliases.get(p.name, p.name)
+        if name in named:
+            kwargs[p.name] = named[name]
+    return fn(first, **kwargs)
+
+
 def _single_dim(op, info, spec_schema):
     out_meta = _SP._propagate_tensor_meta_non_cached(spec_schema)
     schema = _SP._wrap_with_op_strategy(spec_schema)
@@ -93,17 +110,18 @@ def _single_dim(op, info, spec_schema):
     n_in = _get_num_tensor_inputs(schema)
     n_out = len(rules[0]) - n_in if rules else (
         0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta))
-    rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
+    rules = _by_name(_insert_single_dim_replication_strategy, rules, num_outputs=n_out, num_inputs=n_in,
+                     output_tensor_meta=out_meta)
     # DTensor fills _ShardingPlaceholder only with shard types present on the inputs, so
     # all-Replicate inputs would yield no sharded candidate: always seed Shard.
     seen = {p for x in tree_flatten((spec_schema.args_schema, spec_schema.kwargs_schema))[0]
             if isinstance(x, DTensorSpec) for p in x.placements} | {Shard(0)}
-    return expand_to_full_mesh_op_strategy(
-        schema.get_mesh_from_args(validate=False), schema,
-        _fill_single_dim_strategy_placeholders(seen, rules), output_tensor_meta=out_meta,
-        inplace_op=op.name().split("::")[1].split(".")[0].endswith("_"), input_index=n_out,
-        allow_unbacked_sharding=info.allow_unbacked_sharding,
-        allow_uneven_sharding=info.allow_uneven_sharding)
+    return _by_name(
+        expand_to_full_mesh_op_strategy, schema.get_mesh_from_args(validate=False),
+        op_schema=schema, single_mesh_dim_strategies=_fill_single_dim_strategy_placeholders(seen, rules),
+        output_tensor_meta=out_meta, inplace_op=op.name().split("::")[1].split(".")[0].endswith("_"),
+        input_index=n_out, allow_unbacked_sharding=getattr(info, "allow_unbacked_sharding", None),
+        allow_uneven_sharding=getattr(info, "allow_uneven_sharding", False))
 
 
 def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
@@ -161,8 +179,8 @@ def dtensor_candidates(op, args, kwargs, device_mesh, input_placements, *,
     if single is not None:  # preferred by DTensor when an op has both (mm, addmm, bmm, clone, conv)
         try:
             _collect(_single_dim(op, single, spec_schema), n_in, found)
-        except Exception:
-            pass
+        except Exception as e:  # an input placement the rule rejects; logged: also a torch-version drift
+            log.debug("fxshard: DTensor's single-dim rule for %s raised %s: %s", op, type(e).__name__, e)
     elif strat_fn is not None:
         # "follow-the-input" strategy funcs (view, reductions, slice, cat, softmax...) return one
         # OpSpec per input OpSpec -> call once per seed input placement. Funcs returning >1 spec
