@@ -102,3 +102,174 @@ def test_auto_plan_on_a_stitched_capture_matches_single_device():
     assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
     for fqn, p in m.named_parameters():
         assert ((grads[fqn] - p.grad).abs().max() / p.grad.abs().max()).item() < 1e-5, fqn
+
+
+# ---- the cases an independent review found (each once a silent miscompile or a corrupted model) ----
+
+def _compare(m, xs):
+    """(stitched or fell back, values equal): both captures run on the same inputs and tangents."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("fxshard.stitch")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        stitched = capture_joint(m, xs, reuse_layers=True)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    plain = capture_joint(m, xs)
+
+    def run(c):
+        g = torch.Generator().manual_seed(0)
+        args = []
+        for p in c.gm.graph.nodes:
+            if p.op == "placeholder":
+                rec = info(p)
+                v = p.meta["val"]
+                args.append(c.state[rec.fqn] if rec.kind in ("param", "buffer") else
+                            xs[rec.input_index] if rec.kind == "input" else torch.randn(v.shape, generator=g))
+        return c.gm(*args)
+
+    a, b = run(plain), run(stitched)
+    same = len(a) == len(b) and all(u is None and v is None or torch.allclose(u, v, atol=1e-6) for u, v in zip(a, b))
+    fell_back = any("does not apply" in r.getMessage() for r in records)
+    return fell_back, same, b
+
+
+class _PassOn(nn.Module):  # hands its position input on to the next block: an output aliasing an input
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, pos):
+        return h + torch.tanh(self.lin(h + pos)), pos
+
+
+class _PosModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(4, 8)
+        self.layers = nn.ModuleList(_PassOn() for _ in range(3))
+
+    def forward(self, h):
+        pos = self.pos(torch.arange(4))
+        for layer in self.layers:
+            h, pos = layer(h, pos)
+        return h.sum()
+
+
+def test_outputs_aliasing_inputs_keep_their_gradients():
+    torch.manual_seed(0)
+    for m in (_PosModel(), nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8), nn.Identity(),
+                                         nn.Linear(8, 8))):
+        fell_back, same, _ = _compare(m, [torch.randn(4, 8)])
+        assert fell_back and same
+
+
+class _ConstLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)) * torch.tensor([0.5] * 8)
+
+
+class _ConstModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_ConstLayer() for _ in range(3))
+
+    def forward(self, x):
+        x = x + torch.tensor([3.0] * 8)  # a model constant of the same generated name as the layer's
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_layer_constants_stay_the_layers_own():
+    torch.manual_seed(0)
+    fell_back, same, _ = _compare(_ConstModel(), [torch.randn(4, 8)])
+    assert not fell_back and same
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)), (self.b(x), x * 2)
+
+
+class _NestedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Nested() for _ in range(3))
+
+    def forward(self, x):
+        acc = 0
+        for layer in self.layers:
+            out = layer(x)
+            x, acc = out[0], acc + out[1][0].sum()
+        return x.sum() + acc
+
+
+def test_nested_outputs_fall_back():
+    torch.manual_seed(0)
+    fell_back, same, _ = _compare(_NestedModel(), [torch.randn(4, 8)])
+    assert fell_back and same
+
+
+class _Aux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        p = torch.softmax(self.a(x).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1)[:4], float("-inf")), -1)
+        return torch.tanh(self.a(x)) + p, torch.log(p)
+
+
+class _AuxModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Aux() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x, _discarded = layer(x)
+        return x.sum()
+
+
+def test_a_discarded_output_is_not_differentiated():
+    torch.manual_seed(0)
+    fell_back, same, out = _compare(_AuxModel(), [torch.randn(4, 8)])
+    assert fell_back and same  # zeros fed to log's backward would give NaN gradients
+    assert all(torch.isfinite(t).all() for t in out if t is not None)
+
+
+class _Sliced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.first_half = self.layers[:2]  # the same modules in a second container
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.sum()
+
+
+def test_layers_in_two_containers_and_the_model_left_as_it_was():
+    torch.manual_seed(0)
+    m, x = _Sliced(), torch.randn(4, 8)
+    ref = m(x)
+    fell_back, same, _ = _compare(m, [x])
+    assert not fell_back and same
+    assert all("forward" not in vars(layer) for layer in m.layers)
+    assert all(type(p) is nn.Parameter for p in m.parameters())  # AOT's swap undone on shared paths too
+    assert torch.equal(m(x), ref)

@@ -505,6 +505,10 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
 
     module = model if isinstance(model, nn.Module) else _FnModule(model)
     handles = _install_boundary_hooks(module, boundaries or {})
+    # AOT swaps parameters for traced ones and back; a module reachable by two paths (a ModuleList
+    # slice kept as an attribute) comes back holding the traced ones: put the originals back after
+    state_slots = [(m, kind, n, t) for m in module.modules() for kind in ("_parameters", "_buffers")
+                   for n, t in getattr(m, kind).items()]
     from torch._guards import detect_fake_mode
 
     fm = detect_fake_mode(tuple(example_inputs)) or FakeTensorMode(allow_non_fake_inputs=True)
@@ -513,6 +517,8 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     try:
         with warnings.catch_warnings(), lazy_graph_modules():
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            # reuse_layers stops a trace from inside a layer's backward (a fallback): not an error
+            warnings.filterwarnings("ignore", message="Error detected in .*fxshard_layer_fwd")
             gm = None
             if reuse_layers:
                 gm, out_spec = _export_stitched(module, fm, fakes)
@@ -525,6 +531,9 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     finally:
         for h in handles:
             h.remove()
+        for m, kind, n, t in state_slots:
+            if getattr(m, kind).get(n) is not t:
+                getattr(m, kind)[n] = t
     # flat calling convention (AOT's pytree codegen groups inputs/outputs as (primals, tangents))
     gm.graph._codegen = fx.graph.CodeGen()
     gm.recompile()
@@ -563,8 +572,9 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
                   ("grad_input", user_index.get(r[1]))) if r[0] == "grad_input" else r for r in roles]
     info(out).extra["outputs"] = roles
     _check_no_input_mutation(gm)
-    state = {f: t.detach() for f, t in module.named_parameters()}
-    state.update({f: t.detach() for f, t in module.named_buffers()})
+    # every name a shared tensor goes by (AOT may name its placeholder by any of them)
+    state = {f: t.detach() for f, t in module.named_parameters(remove_duplicate=False)}
+    state.update({f: t.detach() for f, t in module.named_buffers(remove_duplicate=False)})
     c = Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None)
     c.training = True
     c.out_spec = out_spec

@@ -13,8 +13,13 @@ once per call signature.  What is assumed: two layers whose state is equal (same
 submodule structure, parameter and buffer shapes/dtypes/strides/requires_grad, equal plain
 attributes, no hooks inside that differ) compute the same function of their tensors.  A layer
 whose state differs (say a ``layer_idx`` attribute, or a sliding-window flag) gets its own trace;
-a call this pass cannot represent (keyword or non-tensor arguments, non-tensor outputs) makes the
-whole capture fall back to the plain trace, with a log line that says why.
+a call this pass cannot represent makes the whole capture fall back to the plain trace, with a log
+line that says why: keyword or non-tensor arguments; outputs that are not a tensor or a flat tuple
+of tensors; an output that is (a view of) an input or of another output (AOT gives it no gradient
+input of its own, so its gradient would be lost); an output the model never differentiates (the
+layer's backward would run on zeros, which the plain trace never does); tied parameters inside a
+layer; gradients off.  Outputs autograd does not track stay untracked (marked non-differentiable),
+and a layer graph's tensor constants are copied into the model's graph under fresh names.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ class _LayerTrace:
     fqn: str
     state_names: list[str]  # parameters then buffers, as passed to the opaque op
     out_meta: list[tuple]  # (shape, stride, dtype, device) per forward output
-    single: bool  # the layer returns one tensor (else a tuple)
+    single: bool  # the layer returns one tensor (else a flat tuple of tensors)
     grad_of: list[tuple[str, int]]  # what layer_bwd returns: ("state", i) / ("input", i)
     joint: fx.GraphModule | None = None
+    diff: tuple[bool, ...] = ()  # per forward output: autograd tracks it (it has a gradient)
+    consts: dict | None = None  # get_attr target -> tensor constant of the layer's graph
 
 
 # ---- the opaque ops --------------------------------------------------------------------------------
@@ -79,14 +86,20 @@ def _setup(ctx, inputs, output):
     key, state, ins = inputs
     ctx.key, ctx.n_state = key, len(state)
     ctx.save_for_backward(*state, *ins)
+    lt = _LAYERS[key]
+    ctx.mark_non_differentiable(*[o for o, d in zip(output, lt.diff) if not d])  # as in the layer itself
+    ctx.set_materialize_grads(False)  # an output nobody differentiates arrives as None (see below)
 
 
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
     state, ins = list(saved[:ctx.n_state]), list(saved[ctx.n_state:])
     lt = _LAYERS[ctx.key]
-    grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-             for g, (shape, _stride, dtype, device) in zip(grads, lt.out_meta)]
+    grads = [g for g, d in zip(grads, lt.diff) if d]
+    if any(g is None for g in grads):
+        # The layer's joint graph differentiates every output; fed zeros it would compute (and
+        # could turn NaN) a backward the plain trace never has.
+        raise Unsupported("a layer output that carries gradients is not differentiated by the model")
     out = layer_bwd(ctx.key, state, ins, grads)
     g_state: list = [None] * len(state)
     g_in: list = [None] * len(ins)
@@ -152,10 +165,20 @@ def repeated_layers(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
             continue
         by_sig: dict = {}
         for name, child in mod.named_children():
+            if isinstance(child, nn.ModuleList):
+                continue  # not callable: its own children may be layers
             by_sig.setdefault(state_signature(child), []).append((f"{fqn}.{name}" if fqn else name, child))
         groups += [g for g in by_sig.values() if len(g) > 1]
     inner = {f for g in groups for f, _ in g}
-    return [g for g in groups if not any(f.startswith(o + ".") for f, _ in g for o in inner)]
+    out, seen = [], set()
+    for g in groups:
+        if any(f.startswith(o + ".") for f, _ in g for o in inner):
+            continue
+        g = [(f, m) for f, m in g if id(m) not in seen]  # a layer held by two containers (a slice)
+        seen.update(id(m) for _, m in g)
+        if len(g) > 1:
+            out.append(g)
+    return out
 
 
 # ---- capture ---------------------------------------------------------------------------------------
@@ -190,6 +213,8 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
     groups = repeated_layers(model)
     if not groups:
         raise Unsupported("no repeated layers (equal-state children of a ModuleList / Sequential)")
+    if not torch.is_grad_enabled():
+        raise Unsupported("gradients are off: nothing to differentiate")
     traces: dict[tuple, _LayerTrace] = {}
     patched = []
     prefix = f"{id(model):x}"
@@ -206,10 +231,8 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             if lt is None:
                 lt = traces[sig] = _trace_layer(f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode,
                                                 decompositions, export_joint)
-            grad = torch.is_grad_enabled() and (any(a.requires_grad for a in args) or
-                                                any(p.requires_grad for p in layer.parameters()))
-            outs = [torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(grad and dt.is_floating_point)
-                    for s, st, dt, dev in lt.out_meta]
+            outs = [torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(d)
+                    for (s, st, dt, dev), d in zip(lt.out_meta, lt.diff)]
             return outs[0] if lt.single else tuple(outs)
         return probe
 
@@ -237,7 +260,7 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
                 layer.forward = make_call(gi, fqn, layer)
         yield lambda gm: _stitch(gm, {lt.key: lt for lt in traces.values()})
     finally:
-        for layer, had, old in patched:
+        for layer, had, old in reversed(patched):
             if had:
                 layer.forward = old
             else:
@@ -247,12 +270,20 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
 
 
 def _trace_layer(key, fqn, layer, args, fake_mode, decompositions, export_joint) -> _LayerTrace:
+    import torch.utils._pytree as pytree
+
     from ..adapter import describe
 
     fakes = [(a.detach() if _is_fake(a, fake_mode) else fake_mode.from_tensor(a.detach()))
              .requires_grad_(a.requires_grad) for a in args]
-    with fake_mode:
+    with fake_mode:  # which outputs autograd tracks, and that they are a flat tuple of tensors
+        real = type(layer).forward(layer, *fakes)
+        leaves, spec = pytree.tree_flatten(real)
         gm, out_spec = export_joint(_Alone(layer), fakes, decompositions)
+    if not (spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))) or \
+            not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise Unsupported(f"{fqn} returns {spec}: only a tensor or a flat tuple of tensors is stitched")
+    diff = tuple(bool(x.requires_grad) for x in leaves)
     names, _ = _state(layer)
     index = {n: i for i, n in enumerate(names)}
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -262,24 +293,43 @@ def _trace_layer(key, fqn, layer, args, fake_mode, decompositions, export_joint)
         if kind == "output":
             v = val.meta["val"]
             outs.append((tuple(v.shape), tuple(v.stride()), v.dtype, v.device))
-        elif kind == "grad_param":
+        elif val is None:
+            continue  # no gradient (an unused parameter, an input that needs none)
+        elif kind == "grad_param" and what[len("inner."):] in index:
             grad_of.append(("state", index[what[len("inner."):]]))
         elif kind == "grad_input":
             grad_of.append(("input", what))
-        elif val is not None:
-            raise Unsupported(f"{fqn}: its joint graph has an output of kind {kind}")
+        else:
+            raise Unsupported(f"{fqn}: its joint graph has an output of kind {kind} ({what})")
+    tangents = set()
     for p in gm.graph.nodes:
-        if p.op == "placeholder" and describe(p.meta.get("desc"))[0] not in ("param", "buffer", "input", "tangent"):
+        if p.op != "placeholder":
+            continue
+        kind, what = describe(p.meta.get("desc"))
+        if kind not in ("param", "buffer", "input", "tangent"):
             raise Unsupported(f"{fqn}: its joint graph has an input {p.meta.get('desc')}")
-    lt = _LayerTrace(key, layer, fqn, names, outs, _single_output(out_spec), grad_of, gm)
+        if kind in ("param", "buffer") and what[len("inner."):] not in index:
+            raise Unsupported(f"{fqn}: parameter {what} is not among the layer's own (tied weights?)")
+        if kind == "tangent":
+            tangents.add(what)
+    if len(outs) != len(diff):
+        raise Unsupported(f"{fqn}: {len(outs)} traced outputs for {len(diff)} returned")
+    for i, d in enumerate(diff):
+        if d != (i in tangents):
+            # AOT gives an output that is (a view of) an input or of another output no gradient
+            # input of its own: its gradient would be lost in the copy
+            raise Unsupported(f"{fqn}: output {i} aliases an input or another output")
+    consts = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    lt = _LayerTrace(key, layer, fqn, names, outs, spec.type is not tuple, grad_of, gm, diff, consts)
     _LAYERS[key] = lt
     return lt
 
 
-def _single_output(out_spec) -> bool:
-    import torch.utils._pytree as pytree
-
-    return isinstance(out_spec, pytree.TreeSpec) and out_spec.is_leaf()
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _is_fake(t, mode) -> bool:
@@ -302,8 +352,15 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
         if n.op == "call_function" and n.target is LAYER_BWD:
             bwd_of[(n.args[0], tuple(n.args[1]), tuple(n.args[2]))] = n
     pairs = [(f, bwd_of.pop((f.args[0], tuple(f.args[1]), tuple(f.args[2])), None)) for f in fwd]  # before edits
+    renamed: dict[str, dict[str, str]] = {}  # a layer graph's constants, under fresh names in gm
+    for lt in traces.values():
+        renamed[lt.key] = {}
+        for target, value in (lt.consts or {}).items():
+            name = f"_fxshard_layer_const_{len(renamed)}_{len(renamed[lt.key])}"
+            setattr(gm, name, value)
+            renamed[lt.key][target] = name
     for f, b in pairs:
-        seq = _inline(graph, traces[f.args[0]], f, b, seq, last)
+        seq = _inline(graph, traces[f.args[0]], f, b, seq, last, renamed[f.args[0]])
     if bwd_of:
         raise Unsupported(f"layer backward calls without their forward: {[n.name for n in bwd_of.values()]}")
     graph.lint()
@@ -311,7 +368,8 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
     return gm
 
 
-def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq: int, last: int) -> int:
+def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq: int, last: int,
+            consts: dict[str, str]) -> int:
     """Copy ``lt.joint`` into ``graph``: forward nodes before ``f``, backward nodes before ``b``;
     the copy's ``seq_nr`` (which ties a backward op to its forward op) start at ``seq``, its
     gradient accumulations take ``last`` (as in a trace of the whole model)."""
@@ -352,14 +410,14 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
         parts[in_bwd].append(n)
     for where, nodes in ((f, parts[0]), (b, parts[1])):
         if nodes:
-            top = _copy_nodes(graph, where, nodes, env, base, top, last, own_last)
+            top = _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts)
     out = next(n for n in joint.graph.nodes if n.op == "output")
     fw_vals, g_vals = [], []
     for val, desc in zip(out.args[0], out.meta.get("desc", ())):
         kind, _ = describe(desc)
         if kind == "output":
             fw_vals.append(env[val])
-        elif kind in ("grad_param", "grad_buffer", "grad_input"):
+        elif val is not None and kind in ("grad_param", "grad_input"):
             g_vals.append(env[val])
     for node, values in ((b, g_vals), (f, fw_vals)):  # the opaque calls' results -> the copies
         if node is None:
@@ -373,14 +431,18 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     return top
 
 
-def _copy_nodes(graph, where, nodes, env, base, top, last, own_last) -> int:
+def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts) -> int:
     add = torch.ops.aten.add.Tensor
     with graph.inserting_before(where):
         for n in nodes:
             c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)
+            if c.op == "get_attr":
+                c.target = consts[n.target]  # the layer graph's constant, not a model one of that name
             seq = n.meta.get("seq_nr")
             if seq is not None:
-                if n.target is add and seq == own_last and n.meta.get("partitioner_tag") == "is_backward":
+                # AOT tags accumulations with the last forward op's number, or the one after it
+                if n.target is add and own_last is not None and seq >= own_last and \
+                        n.meta.get("partitioner_tag") == "is_backward":
                     c.meta["seq_nr"] = last  # an accumulation (the backward of an add is no add)
                 else:
                     c.meta["seq_nr"] = base + seq
