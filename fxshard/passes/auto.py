@@ -312,6 +312,7 @@ class AutoPlanner:
         self._cost: dict = {}
         self._by_shape: dict[tuple, list[int]] = {}  # (shape, dtype) -> spec ids
         self._searched: set[int] = set()  # spec ids whose costs to their group are known
+        self._resolved: dict[tuple, tuple] = {}  # resolve() per (variable, output index, follows)
         self._tables: dict[tuple, tuple[dict, torch.Tensor]] = {}  # (shape, dtype) -> (spec id -> row, costs)
         self.vars: list[_Var] = []
         self.var_of: dict[fx.Node, int] = {}
@@ -423,10 +424,16 @@ class AutoPlanner:
         p, idx = self.producer(a)
         v = self.var_of[p]
         var = self.vars[v]
-        if var.derived is not None:
-            u, maps = var.derived
-            return u, tuple(var.states[m][1][idx] for m in maps)
-        return v, tuple(st[1][idx] for st in var.states)
+        key = (v, idx, var.derived is not None)  # a variable's states are fixed; it may come to follow once
+        hit = self._resolved.get(key)
+        if hit is None:
+            if var.derived is not None:
+                u, maps = var.derived
+                hit = u, tuple(var.states[m][1][idx] for m in maps)
+            else:
+                hit = v, tuple(st[1][idx] for st in var.states)
+            self._resolved[key] = hit
+        return hit
 
     def _follow(self, v: int, comp: dict):
         """Make ``v`` follow its only tensor input where it can: for every placement the input may
