@@ -273,3 +273,9 @@ def test_layers_in_two_containers_and_the_model_left_as_it_was():
     assert all("forward" not in vars(layer) for layer in m.layers)
     assert all(type(p) is nn.Parameter for p in m.parameters())  # AOT's swap undone on shared paths too
     assert torch.equal(m(x), ref)
+
+
+def test_a_layer_with_a_forward_of_its_own_is_not_reused():
+    m, _ = _tiny()
+    m.layers[1].forward = lambda x, cos, sin: x  # an instance forward: the class's is not what runs
+    assert [[f for f, _ in g] for g in stitch.repeated_layers(m)] == [["layers.0", "layers.2", "layers.3"]]

@@ -165,8 +165,8 @@ def repeated_layers(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
             continue
         by_sig: dict = {}
         for name, child in mod.named_children():
-            if isinstance(child, nn.ModuleList):
-                continue  # not callable: its own children may be layers
+            if isinstance(child, nn.ModuleList) or "forward" in vars(child):
+                continue  # not callable (its own children may be layers); or a forward of its own
             by_sig.setdefault(state_signature(child), []).append((f"{fqn}.{name}" if fqn else name, child))
         groups += [g for g in by_sig.values() if len(g) > 1]
     inner = {f for g in groups for f, _ in g}
