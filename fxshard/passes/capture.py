@@ -140,9 +140,14 @@ def _install_boundary_hooks(module: nn.Module, hooked: dict[str, tuple[int, int]
     return handles
 
 
-@functools.lru_cache(maxsize=1)
 def _decomposition_table():
-    """torch.export's default decompositions but scaled-dot-product attention (built once: ~70 ms)."""
+    """torch.export's default decompositions but scaled-dot-product attention (a fresh dict each
+    call, from one built once: building it costs ~70 ms)."""
+    return dict(_decompositions())
+
+
+@functools.lru_cache(maxsize=1)
+def _decompositions():
     table = torch.export.default_decompositions()
     for op in list(table.keys()):
         if "scaled_dot_product" in str(op):
