@@ -279,3 +279,19 @@ def test_a_layer_with_a_forward_of_its_own_is_not_reused():
     m, _ = _tiny()
     m.layers[1].forward = lambda x, cos, sin: x  # an instance forward: the class's is not what runs
     assert [[f for f, _ in g] for g in stitch.repeated_layers(m)] == [["layers.0", "layers.2", "layers.3"]]
+
+
+def test_plan_markers_inside_layers_are_renamed_per_copy(caplog):
+    """A Megatron plan marks modules inside every layer; the copies carry their own layer's tags."""
+    from fxshard.mesh import MeshSpec
+    from fxshard.plans import resolve_plan
+
+    m, x = _tiny()
+    hooked = resolve_plan(zoo.megatron_tp_plan(), m, MeshSpec((2,)), None).hooked
+    plain = capture_joint(m, [x], boundaries=hooked)
+    with caplog.at_level(logging.INFO, logger="fxshard.stitch"):
+        stitched = capture_joint(m, [x], boundaries=hooked, reuse_layers=True)
+    assert "reuse_layers does not apply" not in caplog.text
+    assert _canon(stitched.gm) == _canon(plain.gm)  # tags included
+    tags = {n.args[1] for n in stitched.gm.graph.nodes if info(n).kind == "boundary"}
+    assert {"layers.3.attention.wo:out:0", "layers.1.feed_forward.w2:in:0"} <= tags

@@ -102,13 +102,14 @@ _MARKING = [True]  # boundary hooks mark values (off while reuse_layers probes c
 
 
 @contextlib.contextmanager
-def boundaries_off():
-    """Boundary hooks pass values through unmarked (a marker changes no tensor metadata)."""
-    _MARKING[0] = False
+def boundary_marking(on: bool):
+    """Boundary hooks mark values (``on``) or pass them through unmarked (a marker changes no
+    tensor metadata); the previous setting comes back after."""
+    was, _MARKING[0] = _MARKING[0], on
     try:
         yield
     finally:
-        _MARKING[0] = True
+        _MARKING[0] = was
 
 
 def _install_boundary_hooks(module: nn.Module, hooked: dict[str, tuple[int, int]]):
@@ -133,6 +134,8 @@ def _install_boundary_hooks(module: nn.Module, hooked: dict[str, tuple[int, int]
                              for i, o in enumerate(out))
             return out
 
+        pre.fxshard_boundary = ("in", n_in)  # what the hook marks, for reuse_layers' "alike" test
+        post.fxshard_boundary = ("out", n_out)
         if n_in:
             handles.append(mod.register_forward_pre_hook(pre))
         if n_out:

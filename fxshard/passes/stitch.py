@@ -147,8 +147,8 @@ def state_signature(layer: nn.Module):
             if k in _SKIP_ATTRS:
                 continue
             if k in _HOOKS:
-                if name and v:
-                    attrs.append((k, tuple(id(h) for h in v.values())))
+                if name and v:  # fxshard's boundary markers by what they mark (their tags are rewritten)
+                    attrs.append((k, tuple(getattr(h, "fxshard_boundary", None) or id(h) for h in v.values())))
                 continue
             attrs.append((k, _value_key(v)))
         parts.append((name, type(m), m.training, tuple(sorted(attrs, key=lambda a: a[0])),
@@ -229,8 +229,11 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             sig = signature(gi, fqn, args, kwargs)
             lt = traces.get(sig)
             if lt is None:
-                lt = traces[sig] = _trace_layer(f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode,
-                                                decompositions, export_joint)
+                from .capture import boundary_marking
+
+                with boundary_marking(True):  # markers inside the layer belong in its graph
+                    lt = traces[sig] = _trace_layer(f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode,
+                                                    decompositions, export_joint)
             outs = [torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(d)
                     for (s, st, dt, dev), d in zip(lt.out_meta, lt.diff)]
             return outs[0] if lt.single else tuple(outs)
@@ -251,9 +254,9 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             for fqn, layer in group:
                 patched.append((layer, "forward" in vars(layer), vars(layer).get("forward")))
                 layer.forward = make_probe(gi, fqn, layer)
-        from .capture import boundaries_off
+        from .capture import boundary_marking
 
-        with fake_mode, boundaries_off():
+        with fake_mode, boundary_marking(False):  # the layers' own traces mark (see probe)
             model(*fakes)
         for gi, group in enumerate(groups):
             for fqn, layer in group:
@@ -378,6 +381,10 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     joint = lt.joint
     fqn = f.name
     state, inputs = list(f.args[1]), list(f.args[2])
+    own = _layer_fqn(state[0], lt.state_names[0]) if state else None
+    if own is None and any(n.target is _boundary_op() for n in joint.graph.nodes):
+        raise Unsupported(f"{fqn}: cannot tell which layer it is, to name its boundary markers")
+    tags = (lt.fqn + ".", own + ".") if own is not None else None
     grads = list(b.args[3]) if b is not None else []
     env: dict[fx.Node, object] = {}
     backward: set[fx.Node] = set()
@@ -410,7 +417,7 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
         parts[in_bwd].append(n)
     for where, nodes in ((f, parts[0]), (b, parts[1])):
         if nodes:
-            top = _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts)
+            top = _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts, tags)
     out = next(n for n in joint.graph.nodes if n.op == "output")
     fw_vals, g_vals = [], []
     for val, desc in zip(out.args[0], out.meta.get("desc", ())):
@@ -431,13 +438,34 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     return top
 
 
-def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts) -> int:
+def _layer_fqn(node, state_name: str) -> str | None:
+    """A layer's FQN from its first parameter's placeholder (``layers.5.attention.wq.weight``)."""
+    from ..adapter import describe
+
+    if node.op != "placeholder":
+        return None
+    kind, target = describe(node.meta.get("desc"))
+    if kind not in ("param", "buffer") or not target.endswith("." + state_name):
+        return None
+    return target[:-len(state_name) - 1]
+
+
+def _boundary_op():
+    from .capture import BOUNDARY
+
+    return BOUNDARY
+
+
+def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts, tags) -> int:
     add = torch.ops.aten.add.Tensor
+    boundary = _boundary_op()
     with graph.inserting_before(where):
         for n in nodes:
             c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)
             if c.op == "get_attr":
                 c.target = consts[n.target]  # the layer graph's constant, not a model one of that name
+            elif c.target is boundary and tags is not None and c.args[1].startswith(tags[0]):
+                c.args = (c.args[0], tags[1] + c.args[1][len(tags[0]):])  # the template's marker, this layer's name
             seq = n.meta.get("seq_nr")
             if seq is not None:
                 # AOT tags accumulations with the last forward op's number, or the one after it
