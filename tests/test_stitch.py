@@ -295,3 +295,31 @@ def test_plan_markers_inside_layers_are_renamed_per_copy(caplog):
     assert _canon(stitched.gm) == _canon(plain.gm)  # tags included
     tags = {n.args[1] for n in stitched.gm.graph.nodes if info(n).kind == "boundary"}
     assert {"layers.3.attention.wo:out:0", "layers.1.feed_forward.w2:in:0"} <= tags
+
+
+def test_layers_sharing_a_submodule_fall_back_with_their_markers_intact():
+    """A submodule shared by all layers: its markers are named after its first owner in the plain
+    trace, and every copy would otherwise be named after whichever layer AOT named it by."""
+    m, x = _tiny(n_layers=3)
+    for layer in m.layers[1:]:
+        layer.attention.wo = m.layers[0].attention.wo
+    hooked = {f"layers.{i}.feed_forward.w2": (1, 1) for i in range(3)} | {"layers.0.attention.wo": (1, 1)}
+    fell_back, same, _ = _compare_hooked(m, [x], hooked)
+    assert fell_back and same
+
+
+def _compare_hooked(m, xs, hooked):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("fxshard.stitch")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        stitched = capture_joint(m, xs, boundaries=hooked, reuse_layers=True)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    plain = capture_joint(m, xs, boundaries=hooked)
+    return any("does not apply" in r.getMessage() for r in records), _canon(stitched.gm) == _canon(plain.gm), None

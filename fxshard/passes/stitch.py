@@ -65,7 +65,7 @@ def layer_fwd(key: str, state: list[torch.Tensor], inputs: list[torch.Tensor]) -
 
 @layer_fwd.register_fake
 def _layer_fwd_fake(key, state, inputs):
-    lt = _LAYERS[key]
+    lt = _LAYERS[key.partition("@")[0]]
     return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
             for shape, stride, dtype, device in lt.out_meta]
 
@@ -78,7 +78,7 @@ def layer_bwd(key: str, state: list[torch.Tensor], inputs: list[torch.Tensor],
 
 @layer_bwd.register_fake
 def _layer_bwd_fake(key, state, inputs, grads):
-    lt = _LAYERS[key]
+    lt = _LAYERS[key.partition("@")[0]]
     return [torch.empty_like(state[i] if kind == "state" else inputs[i]) for kind, i in lt.grad_of]
 
 
@@ -86,7 +86,7 @@ def _setup(ctx, inputs, output):
     key, state, ins = inputs
     ctx.key, ctx.n_state = key, len(state)
     ctx.save_for_backward(*state, *ins)
-    lt = _LAYERS[key]
+    lt = _LAYERS[key.partition("@")[0]]
     ctx.mark_non_differentiable(*[o for o, d in zip(output, lt.diff) if not d])  # as in the layer itself
     ctx.set_materialize_grads(False)  # an output nobody differentiates arrives as None (see below)
 
@@ -94,7 +94,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
     state, ins = list(saved[:ctx.n_state]), list(saved[ctx.n_state:])
-    lt = _LAYERS[ctx.key]
+    lt = _LAYERS[ctx.key.partition("@")[0]]
     grads = [g for g, d in zip(grads, lt.diff) if d]
     if any(g is None for g in grads):
         # The layer's joint graph differentiates every output; fed zeros it would compute (and
@@ -213,6 +213,15 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
     groups = repeated_layers(model)
     if not groups:
         raise Unsupported("no repeated layers (equal-state children of a ModuleList / Sequential)")
+    for group in groups:
+        owner: dict[int, str] = {}
+        for fqn, layer in group:
+            for name, sub in layer.named_modules():
+                first = owner.setdefault(id(sub), f"{fqn}.{name}" if name else fqn)
+                if first != fqn and not first.startswith(fqn + "."):
+                    # its markers (and anything keyed by its name) belong to its first owner, not
+                    # to each copy: not a layer of its own
+                    raise Unsupported(f"{fqn}.{name} is {first}: layers sharing a submodule")
     if not torch.is_grad_enabled():
         raise Unsupported("gradients are off: nothing to differentiate")
     traces: dict[tuple, _LayerTrace] = {}
@@ -245,7 +254,7 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             lt = traces.get(sig)
             if lt is None:
                 raise Unsupported(f"{fqn} is called with inputs the probing pass did not see ({sig[1]})")
-            out = layer_fwd(lt.key, _state(layer)[1], list(args))
+            out = layer_fwd(f"{lt.key}@{fqn}", _state(layer)[1], list(args))  # which layer: for its markers
             return out[0] if lt.single else tuple(out)
         return call
 
@@ -363,7 +372,8 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
             setattr(gm, name, value)
             renamed[lt.key][target] = name
     for f, b in pairs:
-        seq = _inline(graph, traces[f.args[0]], f, b, seq, last, renamed[f.args[0]])
+        key, _, own = f.args[0].partition("@")
+        seq = _inline(graph, traces[key], f, b, seq, last, renamed[key], own)
     if bwd_of:
         raise Unsupported(f"layer backward calls without their forward: {[n.name for n in bwd_of.values()]}")
     graph.lint()
@@ -372,7 +382,7 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
 
 
 def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq: int, last: int,
-            consts: dict[str, str]) -> int:
+            consts: dict[str, str], own: str) -> int:
     """Copy ``lt.joint`` into ``graph``: forward nodes before ``f``, backward nodes before ``b``;
     the copy's ``seq_nr`` (which ties a backward op to its forward op) start at ``seq``, its
     gradient accumulations take ``last`` (as in a trace of the whole model)."""
@@ -381,10 +391,7 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     joint = lt.joint
     fqn = f.name
     state, inputs = list(f.args[1]), list(f.args[2])
-    own = _layer_fqn(state[0], lt.state_names[0]) if state else None
-    if own is None and any(n.target is _boundary_op() for n in joint.graph.nodes):
-        raise Unsupported(f"{fqn}: cannot tell which layer it is, to name its boundary markers")
-    tags = (lt.fqn + ".", own + ".") if own is not None else None
+    tags = (lt.fqn + ".", own + ".")  # the template's markers inside it -> this layer's
     grads = list(b.args[3]) if b is not None else []
     env: dict[fx.Node, object] = {}
     backward: set[fx.Node] = set()
@@ -438,18 +445,6 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     return top
 
 
-def _layer_fqn(node, state_name: str) -> str | None:
-    """A layer's FQN from its first parameter's placeholder (``layers.5.attention.wq.weight``)."""
-    from ..adapter import describe
-
-    if node.op != "placeholder":
-        return None
-    kind, target = describe(node.meta.get("desc"))
-    if kind not in ("param", "buffer") or not target.endswith("." + state_name):
-        return None
-    return target[:-len(state_name) - 1]
-
-
 def _boundary_op():
     from .capture import BOUNDARY
 
@@ -464,7 +459,7 @@ def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts, tag
             c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)
             if c.op == "get_attr":
                 c.target = consts[n.target]  # the layer graph's constant, not a model one of that name
-            elif c.target is boundary and tags is not None and c.args[1].startswith(tags[0]):
+            elif c.target is boundary and c.args[1].startswith(tags[0]):
                 c.args = (c.args[0], tags[1] + c.args[1][len(tags[0]):])  # the template's marker, this layer's name
             seq = n.meta.get("seq_nr")
             if seq is not None:
