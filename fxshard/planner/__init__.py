@@ -280,25 +280,44 @@ _SHARDS: dict = {}
 _PARTIALS: dict = {}
 
 
+def _shard_placement(d, sf):
+    if sf != 1:
+        return StridedShard(d, split_factor=sf)
+    p = _SHARDS.get(d)
+    if p is None:
+        p = _SHARDS[d] = Shard(d)
+    return p
+
+
+def _partial_placement(op):
+    p = _PARTIALS.get(op)
+    if p is None:
+        p = _PARTIALS[op] = Partial(op)
+    return p
+
+
 def _moved_placement(levels, part, m):
     """Placement of mesh dim ``m`` in a state (without building the whole placements tuple).
     Placements are immutable values, so plain ones are made once and shared."""
     op = part.get(m)
     if op is not None:
-        p = _PARTIALS.get(op)
-        if p is None:
-            p = _PARTIALS[op] = Partial(op)
-        return p
+        return _partial_placement(op)
     for d, st in enumerate(levels):
         for mm, sf in st:
             if mm == m:
-                if sf != 1:
-                    return StridedShard(d, split_factor=sf)
-                p = _SHARDS.get(d)
-                if p is None:
-                    p = _SHARDS[d] = Shard(d)
-                return p
+                return _shard_placement(d, sf)
     return _REPLICATE
+
+
+_new = object.__new__
+
+
+def _step(dims, before, after, collective, cost, move) -> Step:
+    """``Step(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a plan makes
+    several per call; this is a third of their cost)."""
+    st = _new(Step)
+    st.__dict__.update(mesh_dims=dims, src=before, dst=after, collective=collective, cost=cost, move=move)
+    return st
 
 
 def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False,
@@ -309,29 +328,42 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool =
         return RedistributePlan(src, dst, (), (src.levels,), (sp,), 0.0)
     problem = Problem(cm, mesh.shape, src.levels, dst.levels, sp, dp, src.nbytes, src.shape, even_only, fuse)
     total, moves, states = solve(problem)
-    steps, levels, partials = [], [src.levels], [dict(sp)]
-    part = dict(sp)
+    steps, levels, partials = [], [src.levels], [sp]
+    part = sp
     for (move, c), (stacks, _pa, _pb), prev in zip(moves, states[1:], states[:-1]):
-        kind = move.kind
-        if move.fused:
-            dims = move.mesh_dim
-            before = tuple(_moved_placement(prev[0], part, m) for m in dims)
+        kind, m = move.kind, move.mesh_dim
+        if type(m) is tuple:  # fused: several mesh dims
+            before = tuple(_moved_placement(prev[0], part, x) for x in m)
+            if kind in (AR, RS, MAKE_PARTIAL):
+                part = dict(part)
+                for x in m:
+                    if kind == MAKE_PARTIAL:
+                        part[x] = dp[x]
+                    else:
+                        del part[x]
+            after = tuple(_moved_placement(stacks, part, x) for x in m)
+            m = tuple(sorted(m))
         else:
-            dims = (move.mesh_dim,)
-            before = _moved_placement(prev[0], part, move.mesh_dim)
-        if kind in (AR, RS, MAKE_PARTIAL):
-            part = dict(part)
-            for m in dims:
+            if kind == AG or kind == A2A:
+                before = _shard_placement(move.src_dim, prev[0][move.src_dim][-1][1])
+            elif kind == SHARD or kind == MAKE_PARTIAL:
+                before = _REPLICATE
+            else:  # AR, RS
+                before = _partial_placement(part[m])
+            if kind == AG or kind == AR:
+                after = _REPLICATE
+            elif kind == MAKE_PARTIAL:
+                after = _partial_placement(dp[m])
+            else:  # A2A, SHARD, RS
+                after = _shard_placement(move.dst_dim, move.sf)
+            if kind == AR or kind == RS or kind == MAKE_PARTIAL:
+                part = dict(part)
                 if kind == MAKE_PARTIAL:
                     part[m] = dp[m]
                 else:
                     del part[m]
-        if move.fused:
-            after = tuple(_moved_placement(stacks, part, m) for m in dims)
-            dims = tuple(sorted(dims))
-        else:
-            after = _moved_placement(stacks, part, move.mesh_dim)
-        steps.append(Step(dims, before, after, _COLLECTIVE[kind], c, move))
+            m = (m,)
+        steps.append(_step(m, before, after, _COLLECTIVE[kind], c, move))
         levels.append(stacks)
         partials.append(part)
     return RedistributePlan(src, dst, tuple(steps), tuple(levels), tuple(partials), total)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, planner_tables
 
@@ -37,8 +37,7 @@ AG, A2A, SHARD, MAKE_PARTIAL, AR, RS = "all_gather", "all_to_all", "shard", "par
 LINEAR_OPS = ("sum", "avg")
 
 
-@dataclass(frozen=True)
-class Move:
+class Move(NamedTuple):
     kind: str
     mesh_dim: int | tuple[int, ...]  # a tuple for a fused move: the levels' mesh dims, innermost last
     src_dim: int | None  # tensor dim the level leaves (AG, A2A)
@@ -96,6 +95,47 @@ def _tables(cost_model, fuse) -> _Tables:
     return hit[1]
 
 
+def _gather_table(M, k, fac, lat, base, cand) -> list[float]:
+    """The gather bound for every mask of sharded mesh dims (bits outside ``cand`` are ignored):
+    the cheapest order to gather the cand dims sharded now, plus any extra cand dims pushed first if
+    that lowers it; a gather of x_i runs at >= ``base`` / (prod k of the cand dims gathered after it)."""
+    size = 1 << M
+    total = [0.0] * size
+    prod = [1] * size
+    y = 0
+    while True:  # the subsets of cand, each after its own subsets
+        y = (y - cand) & cand
+        if not y:
+            break
+        low = y & -y
+        prod[y] = prod[y ^ low] * k[low.bit_length() - 1]
+        n = base / prod[y]
+        best = math.inf
+        x = y
+        while x:
+            b = x & -x
+            i = b.bit_length() - 1
+            t = fac[i] * n + lat[i] + total[y ^ b]
+            if t < best:
+                best = t
+            x ^= b
+        total[y] = best
+    x = cand
+    while x:  # min over supersets: optional extra gathers may lower the bound
+        b = x & -x
+        x ^= b
+        y = 0
+        while True:
+            y = (y - cand) & cand
+            if not y & b and total[y | b] < total[y]:
+                total[y] = total[y | b]
+            if not y:
+                break
+    if cand == size - 1:
+        return total
+    return [total[m & cand] for m in range(size)]
+
+
 class Problem:
     """Everything the search needs, precomputed once per plan."""
 
@@ -123,13 +163,18 @@ class Problem:
         self.start_pb = sum(1 << m for m, op in src_partial.items() if dst_partial.get(m) == op)
         tab = _tables(cost_model, fuse)
         self.tab = tab
-        self.lat, self.fac, self.lat_lb, self.base_share = tab.lat, tab.fac, tab.lat_lb, tab.base_share
+        self.base_share = tab.base_share
         # dst location of each mesh dim
-        self.dst_where = {}
+        self.dst_where = dst_where = {}
+        involved = set()
         for d, lv in enumerate(dst_levels):
-            for m, sf in lv:
-                self.dst_where[m] = (d, sf)
-        involved = {d for d, lv in enumerate(src_levels) if lv} | {d for d, lv in enumerate(dst_levels) if lv}
+            if lv:
+                involved.add(d)
+                for m, sf in lv:
+                    dst_where[m] = (d, sf)
+        for d, lv in enumerate(src_levels):
+            if lv:
+                involved.add(d)
         self.scratch = [d for d in range(self.T) if d not in involved]
         self.scratch_set = set(self.scratch)
         self._build_heuristic()
@@ -141,17 +186,19 @@ class Problem:
         g = self.g
         tab = self.tab
         # per mesh dim: bound for a level that must move (lvl_lb, 0 for levels the target does not
-        # shard: their gathers are in gather_lb), for a partial dim that must be reduced away (lb_pa)
-        # and for one the target keeps partial in the same way (lb_pb)
+        # shard: their gathers are in the gather bound), for a partial dim that must be reduced away
+        # (lb_pa) and for one the target keeps partial in the same way (lb_pb)
         self.lvl_lb, self.lb_pa, self.lb_pb = lvl_lb, lb_pa, lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
         dst_where, dst_pmask, fuse = self.dst_where, self.dst_pmask, self.fuse
         n_sh = g / K  # smallest local size while m itself is sharded
+        ag_lb, ag_f, a2_lb, a2_f = tab.ag_lb, tab.ag_f, tab.a2_lb, tab.a2_f
+        ar_lb, ar_f, rs_lb, rs_f = tab.ar_lb, tab.ar_f, tab.rs_lb, tab.rs_f
         for m in range(M):
-            n_un = g * k[m] / K  # ... while m is not sharded
+            n_un = n_sh * k[m]  # ... while m is not sharded
             # A reduce-scatter towards a replicated target leaves a level that must be gathered; that
             # gather is counted by the gather bound, so here only min(ar, rs) (consistency).
-            ar = tab.ar_lb[m] + tab.ar_f[m] * n_un
-            rs = tab.rs_lb[m] + tab.rs_f[m] * n_un
+            ar = ar_lb[m] + ar_f[m] * n_un
+            rs = rs_lb[m] + rs_f[m] * n_un
             to_r = ar if ar < rs else rs
             lb_pa[m] = to_r
             if not dst_pmask >> m & 1:
@@ -159,8 +206,8 @@ class Problem:
             if m in dst_where:
                 # with fusion one all-to-all can move several levels for less than their separate
                 # bandwidth bounds add up to, so the bound keeps only its latency
-                ag = tab.ag_lb[m] + tab.ag_f[m] * n_sh
-                a2a = tab.a2_lb[m] + (0.0 if fuse else tab.a2_f[m] * n_sh)
+                ag = ag_lb[m] + ag_f[m] * n_sh
+                a2a = a2_lb[m] + (0.0 if fuse else a2_f[m] * n_sh)
                 lvl_lb[m] = a2a if a2a < ag else ag
         # lb_at[d][m]: the bound for level m sitting on tensor dim d above the common prefix with the
         # target.  On its own target dim it has to leave and come back: gathered (then pushed for
@@ -171,76 +218,27 @@ class Problem:
         # at a cost >= a2a, leaving by gather costs >= ag, and arriving (push, all-to-all or
         # reduce-scatter) only raises the term.
         self.lb_at = lb_at = [lvl_lb] * self.T
-        strided = any(sf != 1 for lv in (*self.src_levels, *self.dst_levels) for _, sf in lv)
-        if not fuse and not strided and dst_where:
+        if not fuse and dst_where and not any(sf != 1 for lv in (*self.src_levels, *self.dst_levels)
+                                             for _, sf in lv):
             self.lb_at = lb_at = [list(lvl_lb) for _ in range(self.T)]
             for m, (d, _sf) in dst_where.items():
-                ag = tab.ag_lb[m] + tab.ag_f[m] * n_sh
-                a2a = tab.a2_lb[m] + tab.a2_f[m] * n_sh
+                ag = ag_lb[m] + ag_f[m] * n_sh
+                a2a = a2_lb[m] + a2_f[m] * n_sh
                 lb_at[d][m] = ag if ag < 2 * a2a else 2 * a2a
         # Gather bound.  Mesh dims not sharded by the target ("cand") must be gathered after their
         # last push; when the last gather of x_i runs, only dims the target shards and cand dims
         # gathered later can still shard the tensor, so its input is >= g / (K_S * prod k_{x_j>=i}).
         # Minimised over orderings and over optional extra cand dims, per set of cand dims that are
         # sharded now.  Consistent: a gather of m costs at least the bound's term for m put first.
-        self.cand = [m for m in range(M) if m not in dst_where]
-        self.cand_mask = sum(1 << m for m in self.cand)
         K_S = 1
         for m in dst_where:
             K_S *= k[m]
-        self.K_S = K_S
-        self._build_gather_table()
-
-    def _build_gather_table(self):
-        cand = self.cand
-        c = len(cand)
-        k = [self.k[m] for m in cand]
-        fac = [self.tab.ag_f[m] for m in cand]
-        lat = [self.tab.ag_lb[m] for m in cand]
-        base = self.g / self.K_S
-        size = 1 << c
-        prod = [1] * size
-        total = [0.0] * size  # best ordering cost + latencies of set y (bits index into cand)
-        for y in range(1, size):
-            low = (y & -y).bit_length() - 1
-            prod[y] = prod[y & (y - 1)] * k[low]
-            n = base / prod[y]
-            best = math.inf
-            for i in range(c):
-                if y >> i & 1:
-                    t = fac[i] * n + lat[i] + total[y & ~(1 << i)]
-                    if t < best:
-                        best = t
-            total[y] = best
-        for i in range(c):  # min over supersets: optional extra gathers may lower the bound
-            bit = 1 << i
-            for y in range(size):
-                if not y & bit and total[y | bit] < total[y]:
-                    total[y] = total[y | bit]
-        self._table = total
-        self._bit_of = {m: i for i, m in enumerate(cand)}
-        self._hag = {}
-
-    def gather_table_by_mask(self) -> list[float]:
-        """``gather_lb`` for every mask of sharded mesh dims, as a list indexed by the mask."""
-        table, bit_of, M = self._table, self._bit_of, self.M
-        ys = [0] * (1 << M)
-        for mask in range(1, 1 << M):
-            low = (mask & -mask).bit_length() - 1
-            i = bit_of.get(low)
-            ys[mask] = ys[mask & (mask - 1)] | (1 << i if i is not None else 0)
-        return [table[y] for y in ys]
+        self.cand_mask = (1 << M) - 1 - sum(1 << m for m in dst_where)
+        self.glb = _gather_table(M, k, ag_f, ag_lb, g / K_S, self.cand_mask)
 
     def gather_lb(self, mand):
-        """Bound on the gathers still needed, given the mask of cand mesh dims sharded now."""
-        h = self._hag.get(mand)
-        if h is None:
-            y = 0
-            for m, i in self._bit_of.items():
-                if mand >> m & 1:
-                    y |= 1 << i
-            h = self._hag[mand] = self._table[y]
-        return h
+        """Bound on the gathers still needed, given the mask of mesh dims sharded now."""
+        return self.glb[mand]
 
     def stack_lb(self, d, st):
         """Sum of level bounds of one stack: levels above the common prefix with the target all
@@ -255,7 +253,7 @@ class Problem:
         return h
 
     def heuristic(self, stacks, pa, pb):
-        h = self.gather_lb(self.cand_mask & sum(1 << m for st in stacks for m, _ in st))
+        h = self.glb[sum(1 << m for st in stacks for m, _ in st)]
         for d, st in enumerate(stacks):
             h += self.stack_lb(d, st)
         for m in range(self.M):
@@ -389,7 +387,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
 
     lb_at, lb_pa, lb_pb = P.lb_at, P.lb_pa, P.lb_pb
     cand_mask = P.cand_mask
-    glb = P.gather_table_by_mask()
+    glb = P.glb
     tab = P.tab
     ag_l, ag_f, a2_l, a2_f = tab.ag_l, tab.ag_f, tab.a2_l, tab.a2_f
     ar_l, ar_f, rs_l, rs_f = tab.ar_l, tab.ar_f, tab.rs_l, tab.rs_f
@@ -410,13 +408,19 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
-    # upper bound for pruning; the placing plan pays off where searches are large (3+ mesh dims)
-    direct = None if exhaust is not None else \
-        min(direct_plan_cost(P), placing_plan_cost(P)) if M >= 3 else direct_plan_cost(P)
-    ub = direct * (1 + 1e-12) + 1e-9 if direct is not None else inf
+    # A simple plan bounds the search (prune anything dearer) and is returned as soon as nothing on
+    # the frontier can beat it.  The placing plan pays off where searches are large (3+ mesh dims).
     if exhaust is not None:
-        ub, goal = inf, None
+        ub, stop, goal = inf, inf, None
         exhaust = {pack(stacks, 0, 0) for stacks in exhaust}
+    else:
+        inc_cost, inc_moves = direct_plan(P)
+        if M >= 3:
+            c, mv = placing_plan(P)
+            if c < inc_cost:
+                inc_cost, inc_moves = c, mv
+        ub = inc_cost * (1 + 1e-12) + 1e-9
+        stop = inc_cost * (1 - 1e-12)  # a frontier f this high: the incumbent is optimal (to rounding)
 
     if graph is not None and B != M + 1:
         raise ValueError("solve(graph=...) takes plain shards only (no strided levels)")
@@ -430,6 +434,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             continue
         if state == goal:
             return _unwind(parent, state, gcost, unpack)
+        if _f >= stop:
+            return inc_cost, [(Move._make(mv), c) for mv, c in inc_moves], replay(P, inc_moves)
         pa = state >> PA & mmask
         pb = state >> PB
         n = g_bytes / shards
@@ -558,7 +564,7 @@ def _unwind(parent, state, total, unpack):
     moves, costs, states = [], [], [unpack(state)]
     while parent[state] is not None:
         prev, move, c = parent[state]
-        moves.append(Move(*move))
+        moves.append(Move._make(move))
         costs.append(c)
         states.append(unpack(prev))
         state = prev
@@ -644,10 +650,11 @@ def _fits(P, d, st):
     return True
 
 
-def direct_plan_cost(P: Problem) -> float | None:
-    """Cost of a simple valid plan, as an upper bound: reduce what must be reduced (reduce-scatter
-    where that extends the target's stack, else all-reduce), gather every level above the common
-    prefix with the target, then shard (free) into the target's order and make dims partial."""
+def direct_plan(P: Problem) -> tuple[float, list]:
+    """A simple valid plan, as an upper bound and incumbent: reduce what must be reduced
+    (reduce-scatter where that extends the target's stack, else all-reduce), gather every level above
+    the common prefix with the target, then shard (free) into the target's order and make dims
+    partial.  Returns (cost, [(move tuple, cost), ...]); ``replay`` gives its states."""
     k = P.k
     stacks = [list(st) for st in P.src_levels]
     tgt = P.dst_levels
@@ -656,8 +663,9 @@ def direct_plan_cost(P: Problem) -> float | None:
         for m, _ in st:
             shards *= k[m]
     cost = 0.0
-    g = P.g
+    g, tab = P.g, P.tab
     pa, pb = P.start_pa, P.start_pb
+    moves = []
     for m in range(P.M):
         bit = 1 << m
         if not (pa | pb) & bit or (pb & bit and P.dst_pmask & bit):
@@ -667,20 +675,57 @@ def direct_plan_cost(P: Problem) -> float | None:
         if where is not None:
             d, sf = where
             if tuple(stacks[d]) + ((m, sf),) == tgt[d][:len(stacks[d]) + 1]:
-                cost += P.lat[REDUCE_SCATTER, m] + P.fac[REDUCE_SCATTER, m] * n
+                c = tab.rs_l[m] + tab.rs_f[m] * n
+                moves.append(((RS, m, None, d, sf), c))
+                cost += c
                 stacks[d].append((m, sf))
                 shards *= k[m]
                 continue
-        cost += P.lat[ALL_REDUCE, m] + P.fac[ALL_REDUCE, m] * n
+        c = tab.ar_l[m] + tab.ar_f[m] * n
+        moves.append(((AR, m, None, None, 1), c))
+        cost += c
     for d, st in enumerate(stacks):
         keep = 0
         while keep < len(st) and keep < len(tgt[d]) and st[keep] == tgt[d][keep]:
             keep += 1
         while len(st) > keep:
             m, _ = st.pop()
-            cost += P.lat[ALL_GATHER, m] + P.fac[ALL_GATHER, m] * g / shards
+            c = tab.ag_l[m] + tab.ag_f[m] * g / shards
+            moves.append(((AG, m, d, None, 1), c))
+            cost += c
             shards //= k[m]
-    return cost
+    _finish(P, stacks, pb, moves)
+    return cost, moves
+
+
+def _finish(P: Problem, stacks, pb, moves):
+    """Free moves that end a simple plan: push the target's missing levels in its order, then make
+    the target's partial dims partial (what ``solve`` allows only once the stacks are in place)."""
+    for d, (st, t) in enumerate(zip(stacks, P.dst_levels)):
+        for m, sf in t[len(st):]:
+            moves.append(((SHARD, m, None, d, sf), 0.0))
+    for m in range(P.M):
+        if P.dst_pmask >> m & 1 and not pb >> m & 1:
+            moves.append(((MAKE_PARTIAL, m, None, None, 1), 0.0))
+
+
+def replay(P: Problem, moves) -> list:
+    """The states ``(stacks, pa, pb)`` a simple plan passes, from the source to the target."""
+    stacks = [tuple(st) for st in P.src_levels]
+    pa, pb = P.start_pa, P.start_pb
+    out = [(tuple(stacks), pa, pb)]
+    for (kind, m, d, d2, sf), _c in moves:
+        bit = 1 << m
+        if d is not None:  # AG, A2A: the level leaves its stack
+            stacks[d] = stacks[d][:-1]
+        if kind in (AR, RS):
+            pa, pb = pa & ~bit, pb & ~bit
+        elif kind == MAKE_PARTIAL:
+            pb |= bit
+        if d2 is not None:  # A2A, SHARD, RS: it joins another
+            stacks[d2] = stacks[d2] + ((m, sf),)
+        out.append((tuple(stacks), pa, pb))
+    return out
 
 
 def state_key(levels, pa: int, pb: int, mesh_ndim: int) -> int:
@@ -716,25 +761,29 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     # a zero heuristic: Dijkstra
     P.lvl_lb, P.lb_pa, P.lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
     P.lb_at = [P.lvl_lb] * T
-    P.cand, P.cand_mask, P.K_S = [], 0, 1
-    P._table, P._bit_of, P._hag = [0.0], {}, {}
+    P.cand_mask, P.glb = 0, [0.0] * (1 << M)
     P.scratch, P.scratch_set = [], set()
     P.base_share = 0.0
     return solve(P, exhaust=frozenset(target_stacks), graph=graph)
 
 
-def placing_plan_cost(P: Problem) -> float:
-    """Cost of another simple valid plan, often far below ``direct_plan_cost``: place target levels
+def placing_plan(P: Problem) -> tuple[float, list]:
+    """Another simple valid plan, often far cheaper than ``direct_plan``: place target levels
     as early as they can go (free pushes, then reduce-scatters onto the target's stacks), and move a
     level that must leave its stack straight to its target place with one all-to-all when that place
     is next in line, gathering it otherwise.  Every state it passes is a prefix of the source's or the
-    target's stacks, so it is valid under ``even_only`` too; a tighter upper bound prunes more."""
+    target's stacks, so it is valid under ``even_only`` too; a tighter upper bound prunes more.
+    (cost, moves) as ``direct_plan``; cost inf where it gets stuck."""
     k, tgt, T = P.k, P.dst_levels, P.T
     stacks = [list(st) for st in P.src_levels]
-    where = {}  # mesh dim -> (tensor dim, position, level) in the target
-    for d, st in enumerate(tgt):
-        for p, lev in enumerate(st):
-            where[lev[0]] = (d, p, lev)
+    keep = []  # per tensor dim: length of the common prefix with the target
+    for st, t in zip(stacks, tgt):
+        n = 0
+        while n < len(st) and n < len(t) and st[n] == t[n]:
+            n += 1
+        keep.append(n)
+    places = [(lev[0], d, p, lev[1]) for d, t in enumerate(tgt) for p, lev in enumerate(t)]
+    where = {m: (d, p, sf) for m, d, p, sf in places}
     shards, sharded = 1, 0
     for st in stacks:
         for m, _ in st:
@@ -743,48 +792,56 @@ def placing_plan_cost(P: Problem) -> float:
     g, tab = P.g, P.tab
     pa, pb, keep_p = P.start_pa, P.start_pb, P.dst_pmask
     cost = 0.0
-
-    def next_up(m):  # m's target place is the next free one on its tensor dim
-        d, p, _lev = where[m]
-        st = stacks[d]
-        return d if len(st) == p and (not p or tuple(st) == tgt[d][:p]) else None
-
-    changed = True
-    while changed:
-        changed = False
-        for m, (d, _p, lev) in where.items():  # free pushes, and reduce-scatters, that extend a target prefix
-            bit = 1 << m
-            if next_up(m) is None:
+    moves = []
+    while True:
+        # free pushes and reduce-scatters that extend a target prefix (in target order, so one pass
+        # places a whole run)
+        for m, d, p, sf in places:
+            if keep[d] != p or len(stacks[d]) != p:
                 continue
+            bit = 1 << m
             if (pa | pb) & bit and not (pb & keep_p & bit):
-                cost += tab.rs_l[m] + tab.rs_f[m] * g / shards
+                c = tab.rs_l[m] + tab.rs_f[m] * g / shards
+                moves.append(((RS, m, None, d, sf), c))
+                cost += c
                 pa, pb = pa & ~bit, pb & ~bit
             elif (pa | pb | sharded) & bit:
                 continue
-            stacks[d].append(lev)
+            else:
+                moves.append(((SHARD, m, None, d, sf), 0.0))
+            stacks[d].append((m, sf))
+            keep[d] = p + 1
             shards *= k[m]
             sharded |= bit
-            changed = True
-        for d in range(T):  # levels above the common prefix leave: all-to-all to their place, or gather
-            st, t = stacks[d], tgt[d]
-            keep = 0
-            while keep < len(st) and keep < len(t) and st[keep] == t[keep]:
-                keep += 1
-            if len(st) > keep:
+        # one level above a common prefix leaves: all-to-all to its place when that is next in
+        # line, else gather
+        for d in range(T):
+            st = stacks[d]
+            if len(st) > keep[d]:
                 m, _ = st.pop()
-                d2 = next_up(m) if m in where else None
-                if d2 is not None and d2 != d:
-                    cost += tab.a2_l[m] + tab.a2_f[m] * g / shards
-                    stacks[d2].append(where[m][2])
+                w = where.get(m)
+                if w is not None and w[0] != d and keep[w[0]] == w[1] == len(stacks[w[0]]):
+                    d2, p2, sf2 = w
+                    c = tab.a2_l[m] + tab.a2_f[m] * g / shards
+                    moves.append(((A2A, m, d, d2, sf2), c))
+                    stacks[d2].append((m, sf2))
+                    keep[d2] = p2 + 1
                 else:
-                    cost += tab.ag_l[m] + tab.ag_f[m] * g / shards
+                    c = tab.ag_l[m] + tab.ag_f[m] * g / shards
+                    moves.append(((AG, m, d, None, 1), c))
                     shards //= k[m]
                     sharded &= ~(1 << m)
-                changed = True
+                cost += c
                 break
+        else:
+            break
+    if any(len(st) != len(t) or n != len(t) for st, t, n in zip(stacks, tgt, keep)):
+        return math.inf, moves  # stuck (a level whose place never frees up): no bound from this plan
     for m in range(P.M):  # partial dims the target does not keep: all-reduce
         if (pa | pb) >> m & 1 and not (pb & keep_p) >> m & 1:
-            cost += tab.ar_l[m] + tab.ar_f[m] * g / shards
-    if any(tuple(st) != t for st, t in zip(stacks, tgt)):
-        return math.inf  # stuck (a level whose place never frees up): no bound from this plan
-    return cost
+            c = tab.ar_l[m] + tab.ar_f[m] * g / shards
+            moves.append(((AR, m, None, None, 1), c))
+            cost += c
+            pb &= ~(1 << m)
+    _finish(P, stacks, pb, moves)
+    return cost, moves
