@@ -67,6 +67,7 @@ class _Tables:
         else:
             self.lat_lb = self.lat
         lat, fac = self.lat, self.fac
+        self.K = math.prod(cost_model.mesh.shape)
         self.ag_l = [lat[ALL_GATHER, m] for m in range(M)]
         self.ag_f = [fac[ALL_GATHER, m] for m in range(M)]
         self.a2_l = [lat[ALL_TO_ALL, m] for m in range(M)]
@@ -164,33 +165,36 @@ class Problem:
         tab = _tables(cost_model, fuse)
         self.tab = tab
         self.base_share = tab.base_share
+        T = self.T
         # dst location of each mesh dim
         self.dst_where = dst_where = {}
+        self.tpos = tpos = {}  # mesh dim -> (tensor dim, place) in the target
         involved = set()
+        strided = False
         for d, lv in enumerate(dst_levels):
             if lv:
                 involved.add(d)
-                for m, sf in lv:
+                for p, (m, sf) in enumerate(lv):
                     dst_where[m] = (d, sf)
+                    tpos[m] = (d, p)
+                    strided = strided or sf != 1
         for d, lv in enumerate(src_levels):
             if lv:
                 involved.add(d)
-        self.scratch = [d for d in range(self.T) if d not in involved]
+                for _m, sf in lv:
+                    strided = strided or sf != 1
+        self.scratch = [d for d in range(T) if d not in involved]
         self.scratch_set = set(self.scratch)
-        self._build_heuristic()
 
-    # ---- heuristic -------------------------------------------------------------------------
-    def _build_heuristic(self):
-        M, k = self.M, self.k
-        K = math.prod(k)
+        # ---- heuristic ----
+        M, k = self.M, mesh_shape
         g = self.g
-        tab = self.tab
         # per mesh dim: bound for a level that must move (lvl_lb, 0 for levels the target does not
         # shard: their gathers are in the gather bound), for a partial dim that must be reduced away
         # (lb_pa) and for one the target keeps partial in the same way (lb_pb)
         self.lvl_lb, self.lb_pa, self.lb_pb = lvl_lb, lb_pa, lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
-        dst_where, dst_pmask, fuse = self.dst_where, self.dst_pmask, self.fuse
-        n_sh = g / K  # smallest local size while m itself is sharded
+        dst_pmask = self.dst_pmask
+        n_sh = g / tab.K  # smallest local size while m itself is sharded
         ag_lb, ag_f, a2_lb, a2_f = tab.ag_lb, tab.ag_f, tab.a2_lb, tab.a2_f
         ar_lb, ar_f, rs_lb, rs_f = tab.ar_lb, tab.ar_f, tab.rs_lb, tab.rs_f
         for m in range(M):
@@ -199,46 +203,82 @@ class Problem:
             # gather is counted by the gather bound, so here only min(ar, rs) (consistency).
             ar = ar_lb[m] + ar_f[m] * n_un
             rs = rs_lb[m] + rs_f[m] * n_un
-            to_r = ar if ar < rs else rs
-            lb_pa[m] = to_r
+            lb_pa[m] = to_r = ar if ar < rs else rs
             if not dst_pmask >> m & 1:
                 lb_pb[m] = to_r
-            if m in dst_where:
+        # Levels that must move at least twice (see level_lb): gathered (then pushed back for free)
+        # or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards without fusion
+        # only: a strided level can change place on its own dim in one step, and a fused all-to-all
+        # carries a block of levels, in order, for one latency.
+        self.order_lb = order_lb = not fuse and not strided and bool(dst_where)
+        self.two = two = [0.0] * M
+        self.blk = blk = [0] * M  # mesh dims that, under m on another dim, make m move twice
+        for d, lv in enumerate(dst_levels):
+            below = 0
+            for m, _sf in lv:
                 # with fusion one all-to-all can move several levels for less than their separate
                 # bandwidth bounds add up to, so the bound keeps only its latency
                 ag = ag_lb[m] + ag_f[m] * n_sh
                 a2a = a2_lb[m] + (0.0 if fuse else a2_f[m] * n_sh)
                 lvl_lb[m] = a2a if a2a < ag else ag
-        # lb_at[d][m]: the bound for level m sitting on tensor dim d above the common prefix with the
-        # target.  On its own target dim it has to leave and come back: gathered (then pushed for
-        # free) or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards without
-        # fusion only (a strided level can change place on its own dim in one step; a fused
-        # all-to-all carries several levels for one latency).  Still consistent: a level's term
-        # changes only when it moves; leaving by all-to-all trades min(ag, 2 a2a) for <= min(ag, a2a)
-        # at a cost >= a2a, leaving by gather costs >= ag, and arriving (push, all-to-all or
-        # reduce-scatter) only raises the term.
-        self.lb_at = lb_at = [lvl_lb] * self.T
-        if not fuse and dst_where and not any(sf != 1 for lv in (*self.src_levels, *self.dst_levels)
-                                             for _, sf in lv):
-            self.lb_at = lb_at = [list(lvl_lb) for _ in range(self.T)]
-            for m, (d, _sf) in dst_where.items():
-                ag = ag_lb[m] + ag_f[m] * n_sh
-                a2a = a2_lb[m] + a2_f[m] * n_sh
-                lb_at[d][m] = ag if ag < 2 * a2a else 2 * a2a
+                two[m] = ag if ag < 2 * a2a else 2 * a2a
+                if order_lb:
+                    blk[m] = below
+                    below |= 1 << m
+        # per tensor dim: on its own target dim, a level takes two moves
+        if order_lb:
+            self.lb_at = lb_at = [lvl_lb] * T
+            for d, lv in enumerate(dst_levels):
+                if lv:
+                    lb_at[d] = row = list(lvl_lb)
+                    for m, _sf in lv:
+                        row[m] = two[m]
+        else:
+            self.lb_at = [lvl_lb] * T
+            self.two = lvl_lb
         # Gather bound.  Mesh dims not sharded by the target ("cand") must be gathered after their
         # last push; when the last gather of x_i runs, only dims the target shards and cand dims
         # gathered later can still shard the tensor, so its input is >= g / (K_S * prod k_{x_j>=i}).
         # Minimised over orderings and over optional extra cand dims, per set of cand dims that are
         # sharded now.  Consistent: a gather of m costs at least the bound's term for m put first.
         K_S = 1
+        cand = (1 << M) - 1
         for m in dst_where:
             K_S *= k[m]
-        self.cand_mask = (1 << M) - 1 - sum(1 << m for m in dst_where)
-        self.glb = _gather_table(M, k, ag_f, ag_lb, g / K_S, self.cand_mask)
+            cand -= 1 << m
+        self.cand_mask = cand
+        self.glb = _gather_table(M, k, ag_f, ag_lb, g / K_S, cand) if cand else [0.0] * (1 << M)
 
     def gather_lb(self, mand):
         """Bound on the gathers still needed, given the mask of mesh dims sharded now."""
         return self.glb[mand]
+
+    def level_lb(self, d, below, m):
+        """Bound for level ``m`` on tensor dim ``d`` with ``below`` under it, when the stack up to m
+        is not a prefix of the target's (0 for levels the target does not shard: the gather bound
+        has them).  It must move at least twice when
+          * d is its own target dim: it has to leave and come back;
+          * a level below it has the same target dim and a lower place there: that level must be in
+            place before m arrives, and cannot leave before m has left, so m's first move is not its
+            last.
+        Consistent: the condition holds until m itself moves (the levels below it cannot move before
+        it); leaving by all-to-all trades min(ag, 2 a2a) for a term >= 0 that is at least
+        min(ag, a2a) where it lands, at a cost >= a2a; leaving by gather costs >= ag; arriving (push,
+        all-to-all or reduce-scatter) only raises the term."""
+        if not self.order_lb:
+            return self.lvl_lb[m]
+        w = self.tpos.get(m)
+        if w is None:
+            return 0.0
+        td, tp = w
+        if td == d:
+            return self.two[m]
+        tpos = self.tpos
+        for x, _ in below:
+            wx = tpos.get(x)
+            if wx is not None and wx[0] == td and wx[1] < tp:
+                return self.two[m]
+        return self.lvl_lb[m]
 
     def stack_lb(self, d, st):
         """Sum of level bounds of one stack: levels above the common prefix with the target all
@@ -249,7 +289,7 @@ class Problem:
         for p, (m, sf) in enumerate(st):
             ok = ok and p < len(tgt) and tgt[p] == (m, sf)
             if not ok:
-                h += self.lb_at[d][m]  # 0 for gathers: see gather_lb
+                h += self.level_lb(d, st[:p], m)
         return h
 
     def heuristic(self, stacks, pa, pb):
@@ -295,6 +335,23 @@ def _codes(P: Problem):
             t.append((*where, code[(m, where[1])]))
         tcodes.append(t)
     return code, [None] + levels, tcodes
+
+
+_SMASKS: dict = {}
+
+
+def _stack_masks(M: int) -> list[int]:
+    """Mask of the mesh dims in every plain stack value (digits base M + 1, see ``solve``), shared
+    per mesh ndim."""
+    hit = _SMASKS.get(M)
+    if hit is None:
+        B = M + 1
+        hit = [0] * B ** M
+        for v in range(1, B ** M):
+            c = v % B
+            hit[v] = hit[v // B] | (1 << c - 1) if c else 0
+        _SMASKS[M] = hit
+    return hit
 
 
 def _layout(B: int, M: int, T: int) -> tuple[int, int, int]:
@@ -385,7 +442,11 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             fits_memo[(d, v)] = ok
         return ok
 
-    lb_at, lb_pa, lb_pb = P.lb_at, P.lb_pa, P.lb_pb
+    lb_pa, lb_pb = P.lb_pa, P.lb_pb
+    # a level's bound above the target prefix (level_lb): lb_at[d][m], or two[m] where a level in the
+    # stack under it (smask: its mesh dims) is one of blk[m]
+    lb_at, two, blk = P.lb_at, P.two, P.blk
+    smask = _stack_masks(M) if any(blk) else None
     cand_mask = P.cand_mask
     glb = P.glb
     tab = P.tab
@@ -461,7 +522,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             bit = 1 << m
             rest = v // B
             popped = state - (v - rest << shift[d])
-            top_lb = 0.0 if v in prefix_ok[d] else lb_at[d][m]
+            top_lb = 0.0 if v in prefix_ok[d] else two[m] if blk[m] and blk[m] & smask[rest] else lb_at[d][m]
             step_cost = ag_l[m] + ag_f[m] * n
             dh = glb[mand & ~bit] - h_ag - top_lb
             if base_f + step_cost + dh <= ub and gcost + step_cost + 1e-9 < seen(popped, inf):
@@ -482,7 +543,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if nv in prefix_ok[d2] else lb_at[d2][m]
+                new_lb = 0.0 if nv in prefix_ok[d2] else two[m] if blk[m] and blk[m] & smask[base] else lb_at[d2][m]
                 if base_f + a2a_cost + new_lb - top_lb > ub:
                     continue
                 ns = popped + (nv - base << shift[d2])
@@ -520,7 +581,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if nv in prefix_ok[d2] else lb_at[d2][m]
+                new_lb = 0.0 if nv in prefix_ok[d2] else two[m] if blk[m] and blk[m] & smask[base] else lb_at[d2][m]
                 if base_f + step_cost + base_dh + new_lb > ub:
                     continue
                 ns = cleared + (nv - base << shift[d2])
@@ -760,7 +821,8 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
     # a zero heuristic: Dijkstra
     P.lvl_lb, P.lb_pa, P.lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
-    P.lb_at = [P.lvl_lb] * T
+    P.order_lb = False
+    P.lb_at, P.blk = [P.lvl_lb] * T, [0] * M
     P.cand_mask, P.glb = 0, [0.0] * (1 << M)
     P.scratch, P.scratch_set = [], set()
     P.base_share = 0.0
