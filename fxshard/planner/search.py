@@ -480,8 +480,11 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             c, mv = placing_plan(P)
             if c < inc_cost:
                 inc_cost, inc_moves = c, mv
-        ub = inc_cost * (1 + 1e-12) + 1e-9
-        stop = inc_cost * (1 - 1e-12)  # a frontier f this high: the incumbent is optimal (to rounding)
+        if even_only and not all(_fits(P, d, st) for lv in (P.src_levels, P.dst_levels) for d, st in enumerate(lv)):
+            inc_cost = inf  # the simple plans pass only prefixes of these stacks: even only if both ends are
+        # a frontier f this high: the incumbent is optimal (to rounding), so nothing that high is
+        # pushed either
+        ub = stop = inc_cost * (1 - 1e-12)
 
     if graph is not None and B != M + 1:
         raise ValueError("solve(graph=...) takes plain shards only (no strided levels)")
@@ -493,10 +496,10 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
         if gcost > best[state]:
             continue
+        if _f >= stop:  # nothing left beats the incumbent (a goal this dear included)
+            break
         if state == goal:
             return _unwind(parent, state, gcost, unpack)
-        if _f >= stop:
-            return inc_cost, [(Move._make(mv), c) for mv, c in inc_moves], replay(P, inc_moves)
         pa = state >> PA & mmask
         pb = state >> PB
         n = g_bytes / shards
@@ -618,6 +621,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             if not pa:
                 out[stacks, pb] = c
         return out
+    if exhaust is None and inc_cost < inf:  # everything else was dearer: the incumbent it is
+        return inc_cost, [(Move._make(mv), c) for mv, c in inc_moves], replay(P, inc_moves)
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
 
 
