@@ -124,31 +124,47 @@ def _plain_levels(mesh: MeshSpec, placements, ndim: int, order: dict | None = No
     that matches the placements; None for anything else (the general path normalises or explains)."""
     if len(placements) != mesh.ndim:
         return None
-    levels = [[] for _ in range(ndim)]
-    ops = set()
+    by_dim: dict = {}  # tensor dim -> mesh dims sharding it, ascending
+    op0 = None
     for m, p in enumerate(placements):
         t = type(p)
         if t is Replicate:
             continue
         if t is Shard:
-            if not 0 <= p.dim < ndim:
+            d = p.dim
+            if not 0 <= d < ndim:
                 return None
-            levels[p.dim].append((m, 1))
+            ms = by_dim.get(d)
+            if ms is None:
+                by_dim[d] = [m]
+            else:
+                ms.append(m)
         elif t is Partial and p.reduce_op in _REDUCE_OPS:
-            ops.add(p.reduce_op)
+            op = p.reduce_op
+            if op0 is None:
+                op0 = op
+            elif op != op0 and not (op in _LINEAR and op0 in _LINEAR):
+                return None
         else:
             return None
-    if len(ops) > 1 and not ops <= {"sum", "avg"}:
-        return None
     if order is not None:  # must name every sharded dim, with exactly its mesh dims (else: the general path)
-        if any(lv and d not in order for d, lv in enumerate(levels)):
-            return None
+        for d in by_dim:
+            if d not in order:
+                return None
         for d, ms in order.items():
             if type(d) is not int or not 0 <= d < ndim or any(type(m) is not int for m in ms) or \
-                    sorted(ms) != [m for m, _ in levels[d]]:
+                    sorted(ms) != by_dim.get(d, []):
                 return None
-            levels[d] = [(m, 1) for m in ms]
-    return tuple(tuple(lv) for lv in levels)
+        by_dim = order
+    levels = [()] * ndim
+    for d, ms in by_dim.items():
+        if ms:
+            levels[d] = tuple([_LEVEL[m] if m < len(_LEVEL) else (m, 1) for m in ms])
+    return tuple(levels)
+
+
+_LINEAR = ("sum", "avg")
+_LEVEL = tuple((m, 1) for m in range(16))  # plain levels, shared
 
 
 def _is_shard_like(p) -> bool:
@@ -205,7 +221,7 @@ class ShardingSpec:
     @classmethod
     def _make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
               what: str = "sharding") -> ShardingSpec:
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(map(int, shape))
         order = shard_order
         if isinstance(order, tuple):  # (tensor dim, mesh dims) pairs, as make() keys them
             order = dict(order) if all(type(e) is tuple and len(e) == 2 for e in order) else False

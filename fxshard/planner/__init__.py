@@ -366,4 +366,7 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool =
         steps.append(_step(m, before, after, _COLLECTIVE[kind], c, move))
         levels.append(stacks)
         partials.append(part)
-    return RedistributePlan(src, dst, tuple(steps), tuple(levels), tuple(partials), total)
+    plan = _new(RedistributePlan)  # as _step: no per-field object.__setattr__
+    plan.__dict__.update(src=src, dst=dst, steps=tuple(steps), levels=tuple(levels), partials=tuple(partials),
+                         cost=total)
+    return plan
