@@ -213,7 +213,7 @@ class Problem:
         self.order_lb = order_lb = not fuse and not strided and bool(dst_where)
         self.two = two = [0.0] * M
         self.blk = blk = [0] * M  # mesh dims that, under m on another dim, make m move twice
-        for d, lv in enumerate(dst_levels):
+        for lv in dst_levels:
             below = 0
             for m, _sf in lv:
                 # with fusion one all-to-all can move several levels for less than their separate
@@ -462,10 +462,12 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     goal_stacks = goal & stack_bits
     h0 = P.heuristic(*start_t)
     best = {start: 0.0}
-    parent = {start: None}
-    counter = 0
+    parent = {}  # state -> (previous state, move, its cost), written when the state is expanded
     bshare = P.base_share
-    heap = [(h0 + (bshare if h0 > 1e-12 else 0.0), 0, 0, 0.0, start, start_shards, start_mask, h0)]
+    # (f, -depth, g, state, shards, sharded mesh dims, h, previous state, move, move cost): ties on f
+    # go deepest first; two entries never tie on (f, depth, g, state) (a state is pushed again only
+    # for a strictly lower g)
+    heap = [(h0 + (bshare if h0 > 1e-12 else 0.0), 0, 0.0, start, start_shards, start_mask, h0, None, None, 0.0)]
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
@@ -497,11 +499,12 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     # push loop checks again); the exhaustive run records every move for ``graph``
     seen = best.get if graph is None else {}.get
     while heap:
-        _f, depth, _, gcost, state, shards, sharded, h = pop_heap(heap)
+        _f, depth, gcost, state, shards, sharded, h, prev, pmove, pcost = pop_heap(heap)
         if gcost > best[state]:
             continue
         if _f >= stop:  # nothing left beats the incumbent (a goal this dear included)
             break
+        parent[state] = (prev, pmove, pcost)
         if state == goal:
             return _unwind(parent, state, gcost, unpack)
         pa = state >> PA & mmask
@@ -613,11 +616,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 ub = ng
             if ng < best.get(new_state, inf) - 1e-9:
                 best[new_state] = ng
-                parent[new_state] = (state, move, step_cost)
-                counter += 1
                 nh = h + dh
-                push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, counter, ng, new_state,
-                                 new_shards, new_mask, nh))
+                push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, ng, new_state, new_shards,
+                                 new_mask, nh, state, move, step_cost))
     if exhaust is not None:  # states with nothing left to reduce
         out = {}
         for st, c in best.items():
@@ -632,7 +633,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
 
 def _unwind(parent, state, total, unpack):
     moves, costs, states = [], [], [unpack(state)]
-    while parent[state] is not None:
+    while parent[state][0] is not None:
         prev, move, c = parent[state]
         moves.append(Move._make(move))
         costs.append(c)
