@@ -206,6 +206,40 @@ class Problem:
             lb_pa[m] = to_r = ar if ar < rs else rs
             if not dst_pmask >> m & 1:
                 lb_pb[m] = to_r
+        # red[y]: bound on reducing away the partial dims in mask y (reduce-away dims only get
+        # fewer).  A partial dim shards nothing, so when the first of them is reduced all of y is
+        # unsharded: min over orders, each reduce at size >= g * prod(k of the dims still partial) / K.
+        # Consistent: a reduce of x from y costs at least the ordering's term for x put first.  With
+        # fusion one collective may reduce several at once, so there the bounds only add up.
+        self.red = red = [0.0] * (1 << M)
+        pa0 = self.start_pa
+        y = 0
+        while True:  # the subsets of pa0, each after its own subsets
+            y = (y - pa0) & pa0
+            if not y:
+                break
+            if fuse:
+                low = y & -y
+                red[y] = red[y ^ low] + lb_pa[low.bit_length() - 1]
+                continue
+            n = n_sh
+            x = y
+            while x:
+                b = x & -x
+                n *= k[b.bit_length() - 1]
+                x ^= b
+            best = math.inf
+            x = y
+            while x:
+                b = x & -x
+                i = b.bit_length() - 1
+                ar = ar_lb[i] + ar_f[i] * n
+                rs = rs_lb[i] + rs_f[i] * n
+                t = (ar if ar < rs else rs) + red[y ^ b]
+                if t < best:
+                    best = t
+                x ^= b
+            red[y] = best
         # Levels that must move at least twice (see level_lb): gathered (then pushed back for free)
         # or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards without fusion
         # only: a strided level can change place on its own dim in one step, and a fused all-to-all
@@ -296,10 +330,9 @@ class Problem:
         h = self.glb[sum(1 << m for st in stacks for m, _ in st)]
         for d, st in enumerate(stacks):
             h += self.stack_lb(d, st)
+        h += self.red[pa]
         for m in range(self.M):
-            if pa >> m & 1:
-                h += self.lb_pa[m]
-            elif pb >> m & 1:
+            if pb >> m & 1 and not pa >> m & 1:
                 h += self.lb_pb[m]
         return h
 
@@ -442,7 +475,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             fits_memo[(d, v)] = ok
         return ok
 
-    lb_pa, lb_pb = P.lb_pa, P.lb_pb
+    red, lb_pb = P.red, P.lb_pb
     # a level's bound above the target prefix (level_lb): lb_at[d][m], or two[m] where a level in the
     # stack under it (smask: its mesh dims) is one of blk[m]
     lb_at, two, blk = P.lb_at, P.two, P.blk
@@ -565,7 +598,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                 if not (pa | pb) & bit:
                     continue
                 if pa & bit:
-                    old_lb, cleared = lb_pa[m], state & ~(bit << PA)
+                    old_lb, cleared = red[pa] - red[pa & ~bit], state & ~(bit << PA)
                 else:
                     old_lb, cleared = lb_pb[m], state & ~(bit << PB)
                 step_cost = ar_l[m] + ar_f[m] * n
@@ -830,7 +863,7 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     keep = sum(1 << m for m, o in src_partial.items() if ops.get(m) == o)
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
     # a zero heuristic: Dijkstra
-    P.lvl_lb, P.lb_pa, P.lb_pb = [0.0] * M, [0.0] * M, [0.0] * M
+    P.lvl_lb, P.lb_pa, P.lb_pb, P.red = [0.0] * M, [0.0] * M, [0.0] * M, [0.0] * (1 << M)
     P.order_lb = False
     P.lb_at, P.blk = [P.lvl_lb] * T, [0] * M
     P.cand_mask, P.glb = 0, [0.0] * (1 << M)
