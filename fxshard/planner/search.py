@@ -401,7 +401,9 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     the same moves, for ``distances``); its members are the target shard stacks at which a
     replicated dim may be made partial.  ``graph`` (with ``exhaust``): filled with every expanded
     state's moves, ``{state: [(state, cost), ...]}`` in the packed form ``state_key`` gives, for
-    ``pairwise_costs``.
+    ``pairwise_costs``; states already in it (from an earlier run over the same moves, which
+    recorded everything reachable from them too) are not expanded again, so the costs returned are
+    complete only for a fresh graph.
 
     A state is packed into one int: per tensor dim a field holding its stack of levels as digits
     (the innermost level in the lowest digit; 0 is empty), then the mask of partial dims to reduce
@@ -534,6 +536,10 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     while heap:
         _f, depth, gcost, state, shards, sharded, h, prev, pmove, pcost = pop_heap(heap)
         if gcost > best[state]:
+            continue
+        if graph is not None and state in graph:
+            # recorded by an earlier run over the same moves, with everything reachable from it
+            # (exhaustive runs prune nothing): only the graph is wanted, so nothing to add
             continue
         if _f >= stop:  # nothing left beats the incumbent (a goal this dear included)
             break
