@@ -103,25 +103,79 @@ def _by_name(fn, first, **named):
     return fn(first, **kwargs)
 
 
-def _single_dim(op, info, spec_schema):
+REFERENCE_EXPANSION = False  # tests: expand with DTensor's own expand_to_full_mesh_op_strategy
+
+
+def _single_dim(op, info, spec_schema, n_in: int, found: dict) -> None:
+    """Every full-mesh candidate of an op with a single-mesh-dim rule, into ``found``.  The expansion
+    over mesh dims is ``_expand`` (what DTensor's ``expand_to_full_mesh_op_strategy`` does, keeping
+    only placements); ``REFERENCE_EXPANSION`` runs DTensor's own (the tests compare the two)."""
     out_meta = _SP._propagate_tensor_meta_non_cached(spec_schema)
     schema = _SP._wrap_with_op_strategy(spec_schema)
     rules = [list(r) for r in info.func(op, schema.args_meta, schema.kwargs_meta)]
-    n_in = _get_num_tensor_inputs(schema)
-    n_out = len(rules[0]) - n_in if rules else (
+    n_in_rule = _get_num_tensor_inputs(schema)
+    n_out = len(rules[0]) - n_in_rule if rules else (
         0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta))
-    rules = _by_name(_insert_single_dim_replication_strategy, rules, num_outputs=n_out, num_inputs=n_in,
+    rules = _by_name(_insert_single_dim_replication_strategy, rules, num_outputs=n_out, num_inputs=n_in_rule,
                      output_tensor_meta=out_meta)
     # DTensor fills _ShardingPlaceholder only with shard types present on the inputs, so
     # all-Replicate inputs would yield no sharded candidate: always seed Shard.
     seen = {p for x in tree_flatten((spec_schema.args_schema, spec_schema.kwargs_schema))[0]
             if isinstance(x, DTensorSpec) for p in x.placements} | {Shard(0)}
-    return _by_name(
-        expand_to_full_mesh_op_strategy, schema.get_mesh_from_args(validate=False),
-        op_schema=schema, single_mesh_dim_strategies=_fill_single_dim_strategy_placeholders(seen, rules),
-        output_tensor_meta=out_meta, inplace_op=op.name().split("::")[1].split(".")[0].endswith("_"),
-        input_index=n_out, allow_unbacked_sharding=getattr(info, "allow_unbacked_sharding", None),
-        allow_uneven_sharding=getattr(info, "allow_uneven_sharding", False))
+    rules = _fill_single_dim_strategy_placeholders(seen, rules)
+    mesh = schema.get_mesh_from_args(validate=False)
+    inplace = op.name().split("::")[1].split(".")[0].endswith("_")
+    unbacked = getattr(info, "allow_unbacked_sharding", None)
+    uneven = getattr(info, "allow_uneven_sharding", False)
+    if REFERENCE_EXPANSION or schema.is_out_variant_op():  # out= variants: DTensor's (never in functional graphs)
+        _collect(_by_name(expand_to_full_mesh_op_strategy, mesh, op_schema=schema, single_mesh_dim_strategies=rules,
+                          output_tensor_meta=out_meta, inplace_op=inplace, input_index=n_out,
+                          allow_unbacked_sharding=unbacked, allow_uneven_sharding=uneven), n_in, found)
+    else:
+        _expand(mesh, schema, rules, n_out, n_in, found, inplace, unbacked, uneven)
+
+
+def _expand(mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bool, unbacked, uneven) -> None:
+    """DTensor's ``expand_to_full_mesh_op_strategy`` reduced to what fxshard reads, the placements:
+    every combination of one single-dim rule per mesh dim, dropping the same ones DTensor drops
+    (mixed partial kinds other than sum with avg; an in-place op whose self would have to move; an
+    input that cannot be sharded so), without building a DTensorSpec and redistribute costs per
+    combination and input (that was ~1 s of planning a LLaMA-8B step).  Inputs are listed as DTensor
+    lists them (rule positions without a tensor dropped), padded to ``n_in``."""
+    ins = schema.args_strategy + schema.kwargs_strategy
+    cur = [tuple(st.strategies[0].output_spec.placements) for st in ins]
+    shapes = [st.shape for st in ins]
+    shardable: dict = {}
+    for combo in itertools.product(rules, repeat=mesh.ndim):
+        pos = [None if ps[0] is None else ps for ps in zip(*combo)]
+        mixed = False
+        for plc in pos:
+            if plc is not None:
+                kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
+                if len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}):
+                    mixed = True
+                    break
+        if mixed:
+            continue
+        inputs = [plc for plc in pos[n_out:] if plc is not None]
+        if len(inputs) != len(ins):
+            raise AssertionError(f"input specs ({len(inputs)}) != strategies ({len(ins)})")
+        if inplace and (cur[0] != inputs[0] or (pos[0] is not None and pos[0] != cur[0])):
+            continue
+        if n_out == 1 and pos[0] is None:
+            raise RuntimeError("output spec is None")
+        ok = True
+        for j, plc in enumerate(inputs):
+            v = shardable.get((j, plc))
+            if v is None:
+                v = shardable[j, plc] = is_tensor_shardable(shapes[j], DTensorSpec(mesh, plc),
+                                                            allow_unbacked_sharding=unbacked) or \
+                    (uneven and cur[j] == plc)
+            if not v:
+                ok = False
+                break
+        if ok:
+            found.setdefault((tuple(inputs) + (None,) * (n_in - len(inputs)), tuple(pos[:n_out])), None)
 
 
 def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
@@ -178,7 +232,7 @@ def dtensor_candidates(op, args, kwargs, device_mesh, input_placements, *,
 
     if single is not None:  # preferred by DTensor when an op has both (mm, addmm, bmm, clone, conv)
         try:
-            _collect(_single_dim(op, single, spec_schema), n_in, found)
+            _single_dim(op, single, spec_schema, n_in, found)
         except Exception as e:  # an input placement the rule rejects; logged: also a torch-version drift
             log.debug("fxshard: DTensor's single-dim rule for %s raised %s: %s", op, type(e).__name__, e)
     elif strat_fn is not None:
