@@ -209,8 +209,10 @@ class Problem:
         # red[y]: bound on reducing away the partial dims in mask y (reduce-away dims only get
         # fewer).  A partial dim shards nothing, so when the first of them is reduced all of y is
         # unsharded: min over orders, each reduce at size >= g * prod(k of the dims still partial) / K.
-        # Consistent: a reduce of x from y costs at least the ordering's term for x put first.  With
-        # fusion one collective may reduce several at once, so there the bounds only add up.
+        # Consistent: a reduce of x from y costs at least the ordering's term for x put first.  A
+        # fused reduce of several dims costs no less than reducing them one after the other in this
+        # model (its hops are at least their hops added up, its bandwidth the same at the same
+        # sizes, at the worst link), and the latencies here leave out the base latency under fusion.
         self.red = red = [0.0] * (1 << M)
         pa0 = self.start_pa
         y = 0
@@ -218,10 +220,6 @@ class Problem:
             y = (y - pa0) & pa0
             if not y:
                 break
-            if fuse:
-                low = y & -y
-                red[y] = red[y ^ low] + lb_pa[low.bit_length() - 1]
-                continue
             n = n_sh
             x = y
             while x:
@@ -241,10 +239,12 @@ class Problem:
                 x ^= b
             red[y] = best
         # Levels that must move at least twice (see level_lb): gathered (then pushed back for free)
-        # or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards without fusion
-        # only: a strided level can change place on its own dim in one step, and a fused all-to-all
-        # carries a block of levels, in order, for one latency.
-        self.order_lb = order_lb = not fuse and not strided and bool(dst_where)
+        # or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards only: a strided
+        # level can change place on its own dim in one step.  With fusion, only a level on its own
+        # target dim (it must leave and come back whatever carries it; the base latency is counted
+        # once anyway): a fused all-to-all can carry a block of levels, in order, into place at once.
+        self.own_lb = own_lb = not strided and bool(dst_where)
+        self.order_lb = order_lb = own_lb and not fuse
         self.two = two = [0.0] * M
         self.blk = blk = [0] * M  # mesh dims that, under m on another dim, make m move twice
         for lv in dst_levels:
@@ -260,7 +260,7 @@ class Problem:
                     blk[m] = below
                     below |= 1 << m
         # per tensor dim: on its own target dim, a level takes two moves
-        if order_lb:
+        if own_lb:
             self.lb_at = lb_at = [lvl_lb] * T
             for d, lv in enumerate(dst_levels):
                 if lv:
@@ -294,12 +294,12 @@ class Problem:
           * d is its own target dim: it has to leave and come back;
           * a level below it has the same target dim and a lower place there: that level must be in
             place before m arrives, and cannot leave before m has left, so m's first move is not its
-            last.
+            last (not under fusion: a fused all-to-all carries both, in order, at once).
         Consistent: the condition holds until m itself moves (the levels below it cannot move before
         it); leaving by all-to-all trades min(ag, 2 a2a) for a term >= 0 that is at least
         min(ag, a2a) where it lands, at a cost >= a2a; leaving by gather costs >= ag; arriving (push,
         all-to-all or reduce-scatter) only raises the term."""
-        if not self.order_lb:
+        if not self.own_lb:
             return self.lvl_lb[m]
         w = self.tpos.get(m)
         if w is None:
@@ -307,6 +307,8 @@ class Problem:
         td, tp = w
         if td == d:
             return self.two[m]
+        if not self.order_lb:
+            return self.lvl_lb[m]
         tpos = self.tpos
         for x, _ in below:
             wx = tpos.get(x)
@@ -533,6 +535,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     # neighbours no cheaper than their best known cost are dropped before any tuple is built (the
     # push loop checks again); the exhaustive run records every move for ``graph``
     seen = best.get if graph is None else {}.get
+    if fuse:
+        fused_moves = _fused_move_generator(P, B, shift, dec, fits, glb, seen)
     while heap:
         _f, depth, gcost, state, shards, sharded, h, prev, pmove, pcost = pop_heap(heap)
         if gcost > best[state]:
@@ -639,14 +643,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                                  (kind, m, None, d2, sf2)))
         # fused moves need two levels on one stack or two partial dims
         if fuse and (max(vals, default=0) >= B or (pa | pb) & ((pa | pb) - 1)):
-            stacks_t = tuple(dec(v) for v in vals)
-            for (nst, npa2, npb2), cost, nsh, dh, move in _fused_moves(P, stacks_t, pa, pb, n, shards, mand, h_ag,
-                                                                       first_empty_scratch):
-                nmask = 0
-                for st in nst:
-                    for mm, _ in st:
-                        nmask |= 1 << mm
-                nbrs.append((pack(nst, npa2, npb2), cost, nsh, nmask, dh, move))
+            fused_moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, first_empty_scratch,
+                        nbrs)
         if graph is not None:  # packed states: plain levels pack alike in every search (see state_key)
             graph[state] = [(x[0], x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, dh, move in nbrs:
@@ -684,71 +682,130 @@ def _unwind(parent, state, total, unpack):
     return total, list(zip(moves, costs)), states
 
 
-def _fused_moves(P: Problem, stacks, pa, pb, n, shards, mand, h_ag, first_empty_scratch):
-    """One collective over several mesh dims: gather / all-to-all the innermost j >= 2 levels of a
-    tensor dim, all-reduce or reduce-scatter several partial dims (of one reduce op) at once."""
-    k, cm, tgt = P.k, P.cost_model, P.dst_levels
+def _fused_move_generator(P: Problem, B: int, shift, dec, fits, glb, seen):
+    """The moves of one collective over several mesh dims, on packed states: gather or all-to-all
+    the innermost j >= 2 levels of a tensor dim (as a block, in order), all-reduce or reduce-scatter
+    several partial dims of one reduce op (sum and avg mix) at once.  Returns a function that
+    appends them to an expansion's neighbours, pruned as ``solve`` prunes single moves.  A fused
+    collective's cost is the cost model's for the flattened group, memoised per (kind, dims, local
+    size)."""
+    k, T, M, cm = P.k, P.T, P.M, P.cost_model
+    g_bytes, even_only = P.g, P.even_only
+    scratch_set, cand_mask = P.scratch_set, P.cand_mask
+    red, lb_pb, src_ops, dst_ops = P.red, P.lb_pb, P.src_ops, P.dst_ops
+    PA, PB = _layout(B, M, T)[1:]
+    powers = [B ** j for j in range(M + 1)]
+    inf = math.inf
+    tops: dict = {}
+    slbs = [{} for _ in range(T)]
+    costs: dict = {}
 
-    def stack_lb(d, st):
-        return P.stack_lb(d, st)
-
-    out = []
-    for d, st in enumerate(stacks):
-        for j in range(2, len(st) + 1):
-            top = st[-j:]
-            if any(sf != 1 for _, sf in top):
-                break
-            dims = tuple(m for m, _ in top)
-            rest = st[:-j]
-            prod = math.prod(k[m] for m in dims)
-            popped = stacks[:d] + (rest,) + stacks[d + 1:]
-            removed = stack_lb(d, st) - stack_lb(d, rest)
-            gone = mand
+    def top_of(top):  # (strided?, mesh dims innermost last, sorted, their product, mask)
+        t = tops.get(top)
+        if t is None:
+            levels = dec(top)
+            dims = tuple(m for m, _ in levels)
+            mask, prod = 0, 1
             for m in dims:
-                gone &= ~(1 << m)
-            out.append(((popped, pa, pb), cm.collective(ALL_GATHER, tuple(sorted(dims)), n), shards // prod,
-                        P.gather_lb(gone) - h_ag - removed, (AG, dims, d, None, 1)))
-            for d2 in range(P.T):
-                if d2 == d or (d2 in P.scratch_set and d2 != first_empty_scratch and not stacks[d2]):
-                    continue
-                st2 = popped[d2] + top
-                if P.even_only and not _fits(P, d2, st2):
-                    continue
-                added = stack_lb(d2, st2) - stack_lb(d2, popped[d2])
-                out.append(((popped[:d2] + (st2,) + popped[d2 + 1:], pa, pb),
-                            cm.collective(ALL_TO_ALL, tuple(sorted(dims)), n), shards, added - removed,
-                            (A2A, dims, d, d2, 1)))
-    dims_all = [m for m in range(P.M) if (pa | pb) >> m & 1]
+                mask |= 1 << m
+                prod *= k[m]
+            t = tops[top] = (any(sf != 1 for _, sf in levels), dims, tuple(sorted(dims)), prod, mask)
+        return t
 
-    def op_of(m):  # a dim still to reduce holds the source's op; one kept or made partial, the target's
-        return P.src_ops[m] if pa >> m & 1 else P.dst_ops[m]
+    def slb(d, v):  # stack bound of stack value v on tensor dim d
+        x = slbs[d].get(v)
+        if x is None:
+            x = slbs[d][v] = P.stack_lb(d, dec(v))
+        return x
 
-    for r in range(2, len(dims_all) + 1):
-        for subset in itertools.combinations(dims_all, r):
-            ops = {op_of(m) for m in subset}
-            if len(ops) > 1 and not ops <= set(LINEAR_OPS):
-                continue  # one collective reduces with one op (sum and avg: sum, then scale)
-            bits = sum(1 << m for m in subset)
-            old = sum(P.lb_pa[m] if pa >> m & 1 else P.lb_pb[m] for m in subset)
-            npa, npb = pa & ~bits, pb & ~bits
-            out.append(((stacks, npa, npb), cm.collective(ALL_REDUCE, subset, n), shards, -old,
-                        (AR, subset, None, None, 1)))
-            prod = math.prod(k[m] for m in subset)
-            rs_cost = cm.collective(REDUCE_SCATTER, subset, n)
-            grown = P.gather_lb(mand | (bits & P.cand_mask)) - h_ag
-            for order in itertools.permutations(subset):
-                levels = tuple((m, 1) for m in order)
-                for d2 in range(P.T):
-                    if d2 in P.scratch_set and d2 != first_empty_scratch and not stacks[d2]:
+    def cost(kind, dims, shards):
+        c = costs.get((kind, dims, shards))
+        if c is None:
+            c = costs[kind, dims, shards] = cm.collective(kind, dims, g_bytes / shards)
+        return c
+
+    def moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, first_empty_scratch, out):
+        for d in range(T):
+            v = vals[d]
+            if v < B:  # fewer than two levels
+                continue
+            removed_all = slb(d, v)
+            for j in range(2, len(dec(v)) + 1):
+                Bj = powers[j]
+                top, rest = v % Bj, v // Bj
+                strided, dims, sdims, prod, tmask = top_of(top)
+                if strided:
+                    break
+                removed = removed_all - slb(d, rest)
+                popped = state - ((v - rest) << shift[d])
+                c = cost(ALL_GATHER, sdims, shards)
+                dh = glb[mand & ~tmask] - h_ag - removed
+                if base_f + c + dh <= ub and gcost + c + 1e-9 < seen(popped, inf):
+                    out.append((popped, c, shards // prod, sharded & ~tmask, dh, (AG, dims, d, None, 1)))
+                c = cost(ALL_TO_ALL, sdims, shards)
+                if base_f + c - removed > ub:
+                    continue
+                for d2 in range(T):
+                    if d2 == d:
                         continue
-                    st2 = stacks[d2] + levels
-                    if P.even_only and not _fits(P, d2, st2):
+                    base = vals[d2]
+                    if not base and d2 != first_empty_scratch and d2 in scratch_set:
                         continue
-                    added = stack_lb(d2, st2) - stack_lb(d2, stacks[d2])
-                    out.append(((stacks[:d2] + (st2,) + stacks[d2 + 1:], npa, npb), rs_cost, shards * prod,
-                                grown + added - old, (RS, order, None, d2, 1)))
-    del tgt
-    return out
+                    nv = base * Bj + top
+                    if even_only and not fits(d2, nv):
+                        continue
+                    dh = slb(d2, nv) - slb(d2, base) - removed
+                    ns = popped + ((nv - base) << shift[d2])
+                    if base_f + c + dh <= ub and gcost + c + 1e-9 < seen(ns, inf):
+                        out.append((ns, c, shards, sharded, dh, (A2A, dims, d, d2, 1)))
+        pm = pa | pb
+        if not pm & (pm - 1):  # fewer than two partial dims
+            return
+        dims_all = [m for m in range(M) if pm >> m & 1]
+        for r in range(2, len(dims_all) + 1):
+            Br = powers[r]
+            for subset in itertools.combinations(dims_all, r):
+                # a dim still to reduce holds the source's op; one kept or made partial, the target's
+                ops = {src_ops[m] if pa >> m & 1 else dst_ops[m] for m in subset}
+                if len(ops) > 1 and not ops <= _LINEAR:
+                    continue  # one collective reduces with one op (sum and avg: sum, then scale)
+                bits = 0
+                prod = 1
+                for m in subset:
+                    bits |= 1 << m
+                    prod *= k[m]
+                old = red[pa] - red[pa & ~bits]
+                for m in subset:
+                    if pb >> m & 1:
+                        old += lb_pb[m]
+                cleared = state & ~(bits << PA) & ~(bits << PB)
+                c = cost(ALL_REDUCE, subset, shards)
+                if base_f + c - old <= ub and gcost + c + 1e-9 < seen(cleared, inf):
+                    out.append((cleared, c, shards, sharded, -old, (AR, subset, None, None, 1)))
+                c = cost(REDUCE_SCATTER, subset, shards)
+                grown = glb[mand | (bits & cand_mask)] - h_ag - old
+                if base_f + c + grown > ub:
+                    continue
+                for order in itertools.permutations(subset):
+                    block = 0
+                    for m in order:  # plain levels, the first of the order lowest
+                        block = block * B + m + 1
+                    for d2 in range(T):
+                        base = vals[d2]
+                        if not base and d2 != first_empty_scratch and d2 in scratch_set:
+                            continue
+                        nv = base * Br + block
+                        if even_only and not fits(d2, nv):
+                            continue
+                        dh = grown + slb(d2, nv) - slb(d2, base)
+                        ns = cleared + ((nv - base) << shift[d2])
+                        if base_f + c + dh <= ub and gcost + c + 1e-9 < seen(ns, inf):
+                            out.append((ns, c, shards * prod, sharded | bits, dh, (RS, order, None, d2, 1)))
+
+    return moves
+
+
+_LINEAR = frozenset(LINEAR_OPS)
 
 
 def _fits(P, d, st):
@@ -870,7 +927,7 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
     # a zero heuristic: Dijkstra
     P.lvl_lb, P.lb_pa, P.lb_pb, P.red = [0.0] * M, [0.0] * M, [0.0] * M, [0.0] * (1 << M)
-    P.order_lb = False
+    P.order_lb = P.own_lb = False
     P.lb_at, P.blk = [P.lvl_lb] * T, [0] * M
     P.cand_mask, P.glb = 0, [0.0] * (1 << M)
     P.scratch, P.scratch_set = [], set()
