@@ -361,3 +361,32 @@ def test_even_only_plans_stay_even(prob):
         spec = ShardingSpec.make(mesh, fxshard.spec.levels_to_placements(lv, part, mesh.ndim), shape,
                                  shard_order={d: tuple(m for m, _ in st) for d, st in enumerate(lv) if st})
         assert is_even(spec), str(plan)
+
+
+def test_regressions_found_by_review():
+    """Three plans that were dearer than the planner's own exhaustive search (costs_from):
+    even_only pruned scratch dims of different extents as if alike; a fused goal kept the base
+    latency in its bound through rounding on a huge tensor; a cost model that is not a CostModel got
+    CostModel's fused bound."""
+    from fxshard.planner import costs_from, plan_between
+
+    def check(mesh, cm, src, dst, shape, **kw):
+        s, d = ShardingSpec.make(mesh, src, shape), ShardingSpec.make(mesh, dst, shape)
+        want = costs_from(s, [d], cm, **kw)[0]
+        assert plan_between(s, d, cm, cache=False, **kw).cost == pytest.approx(want, rel=1e-12), (src, dst, shape)
+
+    mesh = fxshard.MeshSpec((8, 8))
+    check(mesh, CostModel(mesh), (P, R), (R, R), (4, 4096, 14336), even_only=True)  # reduce-scatter on dim 1
+    mesh = fxshard.MeshSpec((2, 3), devices_per_host=3)
+    check(mesh, CostModel(mesh), (Shard(0), Partial("avg")), (Partial("avg"), Shard(0)), (442207085,), fuse=True)
+
+    class Duck:  # only .mesh and .collective: nothing known about its fused costs
+        def __init__(self, cm):
+            self.mesh, self._cm = cm.mesh, cm
+
+        def collective(self, kind, dims, n):
+            return self._cm.collective(kind, dims, n)
+
+    mesh = fxshard.MeshSpec((3, 4), bandwidth=(0.5, 200), latency=(0, 1))
+    check(mesh, Duck(CostModel(mesh, base_latency_us=0.0)), (Partial("max"), Partial("max")), (R, Shard(0)), (24,),
+          fuse=True)

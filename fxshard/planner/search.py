@@ -20,7 +20,8 @@ The heuristic is, per mesh dim, the cheapest collective that dim cannot avoid (i
 bandwidth at the smallest local size the tensor can ever have).  Each move changes one mesh dim's
 term by at most the move's own cost, so the heuristic is consistent and A* returns a min-cost path.
 Tensor dims that neither source nor target shard are interchangeable scratch space: only the first
-empty one is ever pushed onto, which removes symmetric duplicates without losing any cost.
+empty one is ever pushed onto, which removes symmetric duplicates without losing any cost (under
+even_only, the first of each extent: evenness tells dims of different extents apart).
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class Move(NamedTuple):
         return self.mesh_dim if self.fused else (self.mesh_dim,)
 
 
+def _is_cost_model(cm) -> bool:
+    """A CostModel whose cost formulas are CostModel's own (a subclass may change only figures)."""
+    from ..cost import CostModel
+
+    t = type(cm)
+    return isinstance(cm, CostModel) and all(getattr(t, f) is getattr(CostModel, f)
+                                             for f in ("collective", "group", "latency", "byte_factor"))
+
+
 class _Tables:
     """Per (cost model, fuse) figures every plan on that mesh reads: built once, not per plan."""
 
@@ -60,9 +70,13 @@ class _Tables:
         self.lat, self.fac = planner_tables(cost_model)
         M = cost_model.mesh.ndim
         self.base_share = 0.0
-        if fuse:
-            base = min((v for v in self.lat.values() if v > 0), default=0.0)
-            self.base_share = min(base, getattr(cost_model, "base_latency_us", base))
+        # The fused bounds rest on CostModel's formulas (a flattened group pays the base latency once,
+        # at least its dims' hops added up, at its worst link).  Another cost model says nothing about
+        # its fused costs, so fused plans on it are searched without a bound (plain Dijkstra).
+        self.bounded = not fuse or _is_cost_model(cost_model)
+        if fuse and self.bounded:
+            self.base_share = min(cost_model.base_latency_us,
+                                  min((v for v in self.lat.values() if v > 0), default=0.0))
             self.lat_lb = {key: max(0.0, v - self.base_share) for key, v in self.lat.items()}
         else:
             self.lat_lb = self.lat
@@ -183,8 +197,14 @@ class Problem:
                 involved.add(d)
                 for _m, sf in lv:
                     strided = strided or sf != 1
+        # Tensor dims neither end shards are interchangeable scratch space: only the first empty one
+        # is pushed onto.  Under even_only only dims of one extent are alike (evenness differs).
         self.scratch = [d for d in range(T) if d not in involved]
         self.scratch_set = set(self.scratch)
+        groups: dict = {}
+        for d in self.scratch:
+            groups.setdefault(shape[d] if even_only else None, []).append(d)
+        self.scratch_groups = list(groups.values())
 
         # ---- heuristic ----
         M, k = self.M, mesh_shape
@@ -282,6 +302,18 @@ class Problem:
             cand -= 1 << m
         self.cand_mask = cand
         self.glb = _gather_table(M, k, ag_f, ag_lb, g / K_S, cand) if cand else [0.0] * (1 << M)
+        if not tab.bounded:
+            self.drop_bounds()
+
+    def drop_bounds(self):
+        """A zero heuristic (the search is then Dijkstra)."""
+        M, T = self.M, self.T
+        self.lvl_lb, self.lb_pa, self.lb_pb, self.red = [0.0] * M, [0.0] * M, [0.0] * M, [0.0] * (1 << M)
+        self.two = self.lvl_lb
+        self.order_lb = self.own_lb = False
+        self.lb_at, self.blk = [self.lvl_lb] * T, [0] * M
+        self.cand_mask, self.glb = 0, [0.0] * (1 << M)
+        self.base_share = 0.0
 
     def gather_lb(self, mand):
         """Bound on the gathers still needed, given the mask of mesh dims sharded now."""
@@ -460,7 +492,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             v = v * B + code[lev]
             ok.add(v)
         prefix_ok.append(ok)
-    scratch, scratch_set = P.scratch, P.scratch_set
+    scratch_groups, scratch_set = P.scratch_groups, P.scratch_set
     g_bytes = P.g
     dst_pmask = P.dst_pmask
     even_only, shape = P.even_only, P.shape
@@ -500,11 +532,14 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
     h0 = P.heuristic(*start_t)
     best = {start: 0.0}
     parent = {}  # state -> (previous state, move, its cost), written when the state is expanded
+    # With fusion the per-dim bounds leave the base latency out and add it once while anything is
+    # left to do; "anything" is h above rounding (h is kept up by adding differences)
     bshare = P.base_share
+    h_eps = 1e-9 * (1.0 + h0)
     # (f, -depth, g, state, shards, sharded mesh dims, h, previous state, move, move cost): ties on f
     # go deepest first; two entries never tie on (f, depth, g, state) (a state is pushed again only
     # for a strictly lower g)
-    heap = [(h0 + (bshare if h0 > 1e-12 else 0.0), 0, 0.0, start, start_shards, start_mask, h0, None, None, 0.0)]
+    heap = [(h0 + (bshare if h0 > h_eps else 0.0), 0, 0.0, start, start_shards, start_mask, h0, None, None, 0.0)]
     push_heap = heapq.heappush
     pop_heap = heapq.heappop
     inf = math.inf
@@ -528,6 +563,8 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         # a frontier f this high: the incumbent is optimal (to rounding), so nothing that high is
         # pushed either
         ub = stop = inc_cost * (1 - 1e-12)
+        if inc_cost < inf:
+            h_eps += 1e-9 * inc_cost
 
     if graph is not None and B != M + 1:
         raise ValueError("solve(graph=...) takes plain shards only (no strided levels)")
@@ -557,11 +594,12 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
         mand = sharded & cand_mask
         h_ag = glb[mand]
         vals = [state >> sd & wmask for sd in shift]  # each tensor dim's stack
-        first_empty_scratch = -1
-        for d in scratch:
-            if not vals[d]:
-                first_empty_scratch = d
-                break
+        empty_ok = 0  # the empty scratch dims that may be pushed onto: the first of each group
+        for grp in scratch_groups:
+            for d in grp:
+                if not vals[d]:
+                    empty_ok |= 1 << d
+                    break
         depth -= 1
         at_target = state & stack_bits == goal_stacks if exhaust is None else state & stack_bits in exhaust
         nbrs = []  # (new_state, step_cost, new_shards, new_mask, dh, move)
@@ -591,7 +629,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                     base = rest
                 else:
                     base = vals[d2]
-                    if not base and d2 != first_empty_scratch and d2 in scratch_set:
+                    if not base and d2 in scratch_set and not empty_ok >> d2 & 1:
                         continue
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
@@ -629,7 +667,7 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
             lim = gcost + step_cost + 1e-9
             for d2, sf2, c2 in tcodes[m]:
                 base = vals[d2]
-                if not base and d2 != first_empty_scratch and d2 in scratch_set:
+                if not base and d2 in scratch_set and not empty_ok >> d2 & 1:
                     continue
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
@@ -643,18 +681,20 @@ def solve(problem: Problem, exhaust: frozenset | None = None, graph: dict | None
                                  (kind, m, None, d2, sf2)))
         # fused moves need two levels on one stack or two partial dims
         if fuse and (max(vals, default=0) >= B or (pa | pb) & ((pa | pb) - 1)):
-            fused_moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, first_empty_scratch,
+            fused_moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, empty_ok,
                         nbrs)
         if graph is not None:  # packed states: plain levels pack alike in every search (see state_key)
             graph[state] = [(x[0], x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, dh, move in nbrs:
             ng = gcost + step_cost
-            if new_state == goal and ng < ub:
-                ub = ng
+            nh = h + dh
+            if new_state == goal:
+                nh = 0.0
+                if ng < ub:
+                    ub = ng
             if ng < best.get(new_state, inf) - 1e-9:
                 best[new_state] = ng
-                nh = h + dh
-                push_heap(heap, (ng + nh + (bshare if nh > 1e-12 else 0.0), depth, ng, new_state, new_shards,
+                push_heap(heap, (ng + nh + (bshare if nh > h_eps else 0.0), depth, ng, new_state, new_shards,
                                  new_mask, nh, state, move, step_cost))
     if exhaust is not None:  # states with nothing left to reduce
         out = {}
@@ -724,7 +764,7 @@ def _fused_move_generator(P: Problem, B: int, shift, dec, fits, glb, seen):
             c = costs[kind, dims, shards] = cm.collective(kind, dims, g_bytes / shards)
         return c
 
-    def moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, first_empty_scratch, out):
+    def moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, empty_ok, out):
         for d in range(T):
             v = vals[d]
             if v < B:  # fewer than two levels
@@ -749,7 +789,7 @@ def _fused_move_generator(P: Problem, B: int, shift, dec, fits, glb, seen):
                     if d2 == d:
                         continue
                     base = vals[d2]
-                    if not base and d2 != first_empty_scratch and d2 in scratch_set:
+                    if not base and d2 in scratch_set and not empty_ok >> d2 & 1:
                         continue
                     nv = base * Bj + top
                     if even_only and not fits(d2, nv):
@@ -792,7 +832,7 @@ def _fused_move_generator(P: Problem, B: int, shift, dec, fits, glb, seen):
                         block = block * B + m + 1
                     for d2 in range(T):
                         base = vals[d2]
-                        if not base and d2 != first_empty_scratch and d2 in scratch_set:
+                        if not base and d2 in scratch_set and not empty_ok >> d2 & 1:
                             continue
                         nv = base * Br + block
                         if even_only and not fits(d2, nv):
@@ -919,19 +959,14 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     any other must be reduced (as ``solve`` treats them).  ``target_stacks`` are the stacks at which
     a replicated dim may be made partial (the targets holding partial dims).  Plain Dijkstra: no
     heuristic, no scratch-dim pruning (every target is a goal)."""
-    M, T = len(mesh_shape), len(src_levels)
+    T = len(src_levels)
     P = Problem(cost_model, mesh_shape, src_levels, tuple(() for _ in range(T)), src_partial, dict(ops),
                 global_bytes, shape, even_only, fuse)
     P.dst_pmask = target_pmask
     keep = sum(1 << m for m, o in src_partial.items() if ops.get(m) == o)
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
-    # a zero heuristic: Dijkstra
-    P.lvl_lb, P.lb_pa, P.lb_pb, P.red = [0.0] * M, [0.0] * M, [0.0] * M, [0.0] * (1 << M)
-    P.order_lb = P.own_lb = False
-    P.lb_at, P.blk = [P.lvl_lb] * T, [0] * M
-    P.cand_mask, P.glb = 0, [0.0] * (1 << M)
-    P.scratch, P.scratch_set = [], set()
-    P.base_share = 0.0
+    P.drop_bounds()  # a zero heuristic: Dijkstra
+    P.scratch, P.scratch_groups, P.scratch_set = [], [], set()
     return solve(P, exhaust=frozenset(target_stacks), graph=graph)
 
 
