@@ -146,6 +146,7 @@ def _expand(mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bo
     cur = [tuple(st.strategies[0].output_spec.placements) for st in ins]
     shapes = [st.shape for st in ins]
     shardable: dict = {}
+    out = []  # into found only when the whole expansion succeeded (DTensor's raises and returns nothing)
     for combo in itertools.product(rules, repeat=mesh.ndim):
         pos = [None if ps[0] is None else ps for ps in zip(*combo)]
         mixed = False
@@ -175,7 +176,9 @@ def _expand(mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bo
                 ok = False
                 break
         if ok:
-            found.setdefault((tuple(inputs) + (None,) * (n_in - len(inputs)), tuple(pos[:n_out])), None)
+            out.append((tuple(inputs) + (None,) * (n_in - len(inputs)), tuple(pos[:n_out])))
+    for cand in out:
+        found.setdefault(cand, None)
 
 
 def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
