@@ -6,7 +6,11 @@ and each scored step by step with torch's own ``one_step_redistribute_cost``.  f
 torch's cost figures for the same mesh (``torch_compatible``: same bandwidth/latency, torch's +1 µs
 all-to-all placeholder) so that "lower cost" means a better search, not a different model.
 
-    python benchmarks/planner.py [--cases-per-mesh 40] [--seed 0] [--quick]
+    python benchmarks/planner.py [--cases-per-mesh 40] [--seed 0] [--quick] [--fuse]
+
+``--fuse`` instead times fxshard's fused planning (``fuse=True``: one collective may span several
+mesh dims, the redistribute pass's default) against its unfused planning on the same cases; torch
+has no fused plans to compare with.
 """
 
 from __future__ import annotations
@@ -85,11 +89,37 @@ def timed(fn, repeat=1):
     return out, best
 
 
-def plan_uncached(ms, cm, src, dst, shape, dtype, so, do):
+def plan_uncached(ms, cm, src, dst, shape, dtype, so, do, fuse=False):
     fxshard.clear_plan_cache()
     level_positions.cache_clear()
     return fxshard.plan_redistribute(ms, src, dst, shape, dtype=dtype, src_order=so, dst_order=do,
-                                     cost_model=cm, cache=False)
+                                     cost_model=cm, cache=False, fuse=fuse)
+
+
+def run_fused(n, rng):
+    """fxshard fused vs unfused on the same random cases: times and how much fusion saves."""
+    print("| mesh | cases | fused median / max ms | unfused median / max ms | fused cheaper | "
+          "median saving where cheaper |")
+    print("|" + "---|" * 6)
+    for mesh in MESHES:
+        dm = adapter.torch_planning_mesh(mesh)
+        bw, lat = adapter.torch_topology(dm)
+        ms = fxshard.MeshSpec(mesh, bandwidth=bw, latency=lat)
+        cm = fxshard.torch_compatible(ms)
+        tf, tu, saving = [], [], []
+        for _ in range(n):
+            shape, dtype, src, so, dst, do = random_case(rng, mesh)
+            plan = functools.partial(plan_uncached, ms, cm, src, dst, shape, dtype, so, do)
+            pf, t_f = timed(functools.partial(plan, fuse=True), repeat=3)
+            pu, t_u = timed(plan, repeat=3)
+            assert pf.cost <= pu.cost + 1e-6 * max(1.0, pu.cost), (src, dst, shape, pf.cost, pu.cost)
+            tf.append(t_f * 1e3)
+            tu.append(t_u * 1e3)
+            if pf.cost < pu.cost - 1e-9 * max(1.0, pu.cost):
+                saving.append(100.0 * (1 - pf.cost / pu.cost))
+        print(f"| {mesh} | {n} | {statistics.median(tf):.3f} / {max(tf):.2f} | {statistics.median(tu):.3f} / "
+              f"{max(tu):.2f} | {len(saving)} | {statistics.median(saving) if saving else 0.0:.1f}% |", flush=True)
+    return 0
 
 
 def run_mesh(mesh, n_cases, rng, torch_graph=True):
@@ -140,9 +170,12 @@ def main(argv=None):
     ap.add_argument("--cases-per-mesh", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 cases per mesh, for a smoke run")
+    ap.add_argument("--fuse", action="store_true", help="fxshard fused vs unfused planning instead")
     args = ap.parse_args(argv)
     n = 8 if args.quick else args.cases_per_mesh
     rng = random.Random(args.seed)
+    if args.fuse:
+        return run_fused(n, rng)
     header = ("| mesh | cases | fxshard median / max ms | torch graph median / max ms | speedup (median) | "
               "torch greedy median ms | vs graph: lower/equal/higher | vs greedy: lower/equal/higher |")
     print(header)
