@@ -315,10 +315,6 @@ class Problem:
         self.cand_mask, self.glb = 0, [0.0] * (1 << M)
         self.base_share = 0.0
 
-    def gather_lb(self, mand):
-        """Bound on the gathers still needed, given the mask of mesh dims sharded now."""
-        return self.glb[mand]
-
     def level_lb(self, d, below, m):
         """Bound for level ``m`` on tensor dim ``d`` with ``below`` under it, when the stack up to m
         is not a prefix of the target's (0 for levels the target does not shard: the gather bound
