@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard
 import fxshard
 from fxshard import zoo
 from fxshard.api import annotate, capture, program, redistribute
-from fxshard.passes.capture import PARAM, info
+from fxshard.ir import PARAM, info
 
 GIB = 2 ** 30
 

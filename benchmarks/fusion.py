@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Shard
 
 import fxshard
 from fxshard import zoo
-from fxshard.passes.capture import info
+from fxshard.ir import info
 from fxshard.passes.lower import collective_nodes
 
 MESHES = [((2, 4), ("dp", "tp")), ((4, 4), ("dp", "tp")), ((2, 2, 4), ("dp", "cp", "tp"))]
@@ -35,9 +35,9 @@ def programs(n_layers, shape, names):
     seq = [Shard(0)] * (len(shape) - 2) + [Shard(1)] * 2  # sequence on the last two dims, batch on the rest
     dp_cp = dict(plan=None, input_placements=[tuple(seq)])
     for label, kw in (("dp x tp", dp_tp), ("dp x cp", dp_cp)):
-        plain = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, fuse=False,
+        plain = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, multi_dim_collectives=False,
                               input_placements=kw.get("input_placements"))
-        fused = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, fuse=True,
+        fused = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, multi_dim_collectives=True,
                               input_placements=kw.get("input_placements"))
         yield label, mesh, plain, fused
 

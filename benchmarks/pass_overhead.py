@@ -17,11 +17,7 @@ import torch
 
 import fxshard
 from fxshard import zoo
-from fxshard.passes.annotate import annotate
-from fxshard.passes.capture import capture
 from fxshard.passes.lower import lower_to_local
-from fxshard.passes.redistribute import insert_redistributes
-from fxshard.plans import resolve_plan
 
 
 def stage_times(n_layers: int):
@@ -31,15 +27,14 @@ def stage_times(n_layers: int):
     mesh = fxshard.MeshSpec((2, 4), names=("dp", "tp"))
     t = {}
     t0 = time.perf_counter()
-    cons = resolve_plan(zoo.megatron_tp_plan(), model, mesh)
-    cap = capture(model, x, boundaries=cons.hooked)
+    cap = fxshard.capture(model, x, mesh=mesh, plan=zoo.megatron_tp_plan())
     t["capture"] = time.perf_counter() - t0
     nodes = len(cap.gm.graph.nodes)
     t0 = time.perf_counter()
-    annotate(cap.gm, mesh, cons)
+    fxshard.annotate(cap)
     t["annotate"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    insert_redistributes(cap.gm)
+    fxshard.redistribute(cap)
     t["redistribute"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     lower_to_local(cap.gm, mesh.ndim)

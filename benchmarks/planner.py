@@ -28,8 +28,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard import adapter
-from fxshard.spec import level_positions
+from fxshard import _torch as adapter
+from fxshard.core.spec import level_positions
 
 MESHES = [(8,), (2, 4), (8, 8), (2, 2, 4), (4, 4, 4), (2, 2, 2, 8), (2, 4, 2, 4), (2, 2, 2, 2, 2)]
 
@@ -93,7 +93,7 @@ def plan_uncached(ms, cm, src, dst, shape, dtype, so, do, fuse=False):
     fxshard.clear_plan_cache()
     level_positions.cache_clear()
     return fxshard.plan_redistribute(ms, src, dst, shape, dtype=dtype, src_order=so, dst_order=do,
-                                     cost_model=cm, cache=False, fuse=fuse)
+                                     cost_model=cm, cache=False, multi_dim_collectives=fuse)
 
 
 def run_fused(n, rng):

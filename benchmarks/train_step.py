@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--plans", nargs="+", default=["tp", "sp"])
     args = ap.parse_args()
-    from fxshard.launch import spawn
+    from fxshard.runtime.launch import spawn
 
     cfg = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=8, ffn_hidden=4 * args.dim,
                vocab_size=1024, max_seq_len=max(args.seq, 32))

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import zoo
-from fxshard.passes.capture import info
+from fxshard.ir import info
 
 
 def main():

@@ -42,7 +42,7 @@ def train(rank, world, steps):
 
 
 def main():
-    from fxshard.launch import spawn
+    from fxshard.runtime.launch import spawn
 
     held, total, losses = spawn(2, train, 5)[0]
     print(f"rank 0 holds {held} of {total} parameters")

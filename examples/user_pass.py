@@ -11,9 +11,9 @@ from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import zoo
-from fxshard.passes.capture import info
+from fxshard.core.spec import ShardingSpec
+from fxshard.ir import info
 from fxshard.planner import plan_between
-from fxshard.spec import ShardingSpec
 
 
 def all_reduce_to_rs_ag(gm, captured, seq_dim=1):

@@ -12,7 +12,7 @@ def demo_planner() -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     import fxshard
-    from fxshard import adapter
+    from fxshard import _torch as adapter
 
     R, P = Replicate(), Partial()
     mesh_shape = (2, 2, 4)

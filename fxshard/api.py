@@ -4,36 +4,43 @@
     fxshard.annotate(c)                                                # placements in node.meta["fxshard"]
     fxshard.set_placement(node, (Shard(0), Replicate()))               # optional hand edits
     fxshard.redistribute(c)                                            # explicit redistribute nodes
-    prog = fxshard.program(c)                                          # ShardedProgram (lowers lazily)
+    prog = fxshard.program(c)                                          # ShardedProgram
+    prog.local_graph                                                   # lowered, then bucketed, on first use
 
-Each stage reads and writes ``node.meta["fxshard"]`` (``fxshard.passes.capture.NodeInfo``: ``spec``,
-``input_specs``, ``provenance``, ``plan`` ...).  User passes run at named points:
-``after_annotate``, ``after_redistribute``, ``after_fuse`` (there is no fusion stage yet: it follows
-``after_redistribute``) with ``fn(gm, captured)``, and ``after_lower`` with ``fn(local_gm, program)``.
+Each stage reads and writes ``node.meta["fxshard"]`` (``fxshard.ir.NodeInfo``: ``spec``,
+``input_specs``, ``provenance``, ``plan`` ...).  This module is the only place the stages are
+composed: ``shard`` (models and callables), ``shard_dynamo_graph`` (the ``torch.compile``
+backend); ``fxshard.parallelize`` calls ``shard``.  User passes run at named points:
+``after_annotate`` and ``after_redistribute`` with ``fn(gm, captured)`` on the global graph,
+``after_lower`` and ``after_bucket`` with ``fn(local_gm, program)`` on the per-rank graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import Replicate
 
-from .cost import CostModel
-from .mesh import MeshSpec
-from .passes import annotate as _annotate
-from .passes.auto import AutoOptions, annotate_auto
-from .passes.capture import Captured, capture_joint, info
-from .passes.capture import capture as _capture
+from .capture import Captured, capture_dynamo_graph, capture_forward, capture_joint
+from .core.config import DEFAULT_BUCKET_BYTES, ShardConfig
+from .core.cost import CostModel
+from .ir import NodeKind, info
 from .passes.redistribute import insert_redistributes
-from .plans import PlanConstraints, resolve_plan
-from .program import ShardedProgram
+from .placement import greedy
+from .placement.auto import AutoOptions, annotate_auto
+from .placement.constraints import PlanConstraints, resolve_plan
+from .placement.problem import PlacementProblem
 from .report import log_program
-from .spec import ShardingSpec
+from .runtime.program import ShardedProgram
 
-PASS_POINTS = ("after_annotate", "after_redistribute", "after_fuse", "after_lower")
+PASS_POINTS = ("after_annotate", "after_redistribute", "after_lower", "after_bucket")
+_RENAMED_POINTS = {"after_fuse": "after_bucket"}  # deprecated name -> point
 
 
 def _gc_paused(stage):
@@ -55,32 +62,46 @@ def _gc_paused(stage):
     return run
 
 
+def _multi_dim(multi_dim_collectives: bool, fuse: bool | None) -> bool:
+    if fuse is None:
+        return multi_dim_collectives
+    warnings.warn("fuse= is deprecated: it is called multi_dim_collectives= (one collective over several mesh "
+                  "dims where that is cheaper)", DeprecationWarning, stacklevel=3)
+    return bool(fuse)
+
+
 @_gc_paused
-def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | None = None,
-            tp_dim: int | str | None = None, cost_model=None, fuse: bool = True, training: bool = False,
-            reuse_layers: bool | None = None) -> Captured:
+def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | str | None = None,
+            tp_dim: int | str | None = None, cost_model=None, multi_dim_collectives: bool = True,
+            fuse: bool | None = None, training: bool = False, reuse_layers: bool | None = None,
+            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Captured:
     """Stage 1: trace to an ATen graph; module boundaries the plan names are marked.  ``training``:
     the joint forward+backward graph (outputs: the forward outputs, then the gradients).
 
     ``reuse_layers`` (training; default on): trace each repeated layer (equal-state children of a
-    ModuleList) once and stitch copies of its joint graph in; the model's own code is still traced,
+    container) once and stitch copies of its joint graph in; the model's own code is still traced,
     and the result is the plain trace node for node.  ~7x faster capture of deep models; falls back
     to the plain trace where it does not apply (logged on ``fxshard.stitch``).  Layers of equal
-    state are assumed to compute the same function of their tensors (``fxshard.passes.stitch``);
+    state are assumed to compute the same function of their tensors (``fxshard.capture.stitch``);
     ``False`` traces every layer."""
-    device_mesh = None if isinstance(mesh, MeshSpec) else mesh
-    mesh = MeshSpec.from_device_mesh(mesh)
-    cm = cost_model or CostModel(mesh)
-    if cm.mesh.shape != mesh.shape:
-        raise ValueError(f"the cost model is for mesh {cm.mesh.shape}, the program for {mesh.shape}")
-    constraints = resolve_plan(plan, model if isinstance(model, nn.Module) else None, mesh, tp_dim)
+    config = ShardConfig.make(mesh, cost_model=cost_model, multi_dim_collectives=_multi_dim(multi_dim_collectives,
+                                                                                              fuse),
+                              bucket_bytes=bucket_bytes)
+    constraints = resolve_plan(plan, model if isinstance(model, nn.Module) else None, config.mesh, tp_dim)
     if training:
-        c = capture_joint(model, example_inputs, boundaries=constraints.hooked,
-                          reuse_layers=reuse_layers is not False)
+        c = capture_joint(model, example_inputs, boundaries=constraints.hooked, reuse_layers=reuse_layers is not False)
     else:
-        c = _capture(model, example_inputs, boundaries=constraints.hooked)
-    c.mesh, c.device_mesh, c.constraints, c.cost_model, c.fuse = mesh, device_mesh, constraints, cm, fuse
-    return c
+        c = capture_forward(model, example_inputs, boundaries=constraints.hooked)
+    return dataclasses.replace(c, config=config, constraints=constraints)
+
+
+def _check_placements(mesh, input_placements, output_placements) -> None:
+    for what, pls in (("input_placements", input_placements), ("output_placements", output_placements)):
+        if pls is not None:
+            for i, p in enumerate(pls):
+                if p is not None and len(tuple(p)) != mesh.ndim:
+                    raise ValueError(f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
+                                     f"{mesh.shape}; give one placement per mesh dim")
 
 
 @_gc_paused
@@ -89,32 +110,25 @@ def annotate(captured: Captured, *, input_placements: Sequence | None = None,
     """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance.
 
     With ``plan="auto"`` (or a plan entry ``"*": "auto"``) every placement the plan does not fix is
-    chosen by one global solve (``fxshard.passes.auto``); ``auto_options`` sets its memory budget.
-    ``captured.auto`` then holds the solver's report."""
-    mesh = captured.mesh
-    for what, pls in (("input_placements", input_placements), ("output_placements", output_placements)):
-        if pls is not None:
-            for i, p in enumerate(pls):
-                if p is not None and len(tuple(p)) != mesh.ndim:
-                    raise ValueError(f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
-                                     f"{mesh.shape}; give one placement per mesh dim")
-    if captured.constraints.auto:
-        captured.warnings, captured.auto = annotate_auto(
-            captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
-            options=auto_options or AutoOptions(), input_placements=input_placements,
-            output_placements=output_placements, fuse=captured.fuse, blocks=captured.constraints.blocks,
-            training=captured.training, replicate_grads=getattr(captured, "replicate_grads", False))
-        captured.stage = "annotated"
-        return captured
-    if auto_options is not None:
+    chosen by one global solve (``fxshard.placement.auto``); ``auto_options`` sets its memory budget.
+    ``captured.auto`` then holds the solver's report.  Otherwise each node takes the cheapest of its
+    legal states in graph order (``fxshard.placement.greedy``)."""
+    config, cons = captured.config, captured.constraints
+    _check_placements(config.mesh, input_placements, output_placements)
+    if not cons.auto and auto_options is not None:
         raise ValueError("auto_options applies to plan='auto' (or a plan with a '*': 'auto' entry)")
-    captured.warnings = _annotate.annotate(captured.gm, mesh, captured.constraints, cost_model=captured.cost_model,
-                                           input_placements=input_placements, output_placements=output_placements,
-                                           batch_size=getattr(captured, "batch_size", None),
-                                           replicate_grads=getattr(captured, "replicate_grads", False))
-    # Placements are chosen with unfused costs and fusion is applied when the redistributions are
-    # planned: each planned redistribution then costs at most its unfused plan, so a fused program is
-    # never worse than the unfused one (greedy choices made on fused costs can be).
+    # The greedy choices are made on unfused costs and fusion is applied when the redistributions
+    # are planned: each planned redistribution then costs at most its unfused plan, so a fused
+    # program is never worse than the unfused one (greedy choices made on fused costs can be).
+    problem = PlacementProblem(config.mesh, config.cost_model, cons, input_placements=input_placements,
+                               output_placements=output_placements,
+                               multi_dim=config.multi_dim_collectives if cons.auto else False,
+                               batch_size=config.batch_size, replicate_grads=config.replicate_grads)
+    if cons.auto:
+        captured.warnings, captured.auto = annotate_auto(captured.gm, problem, options=auto_options or AutoOptions(),
+                                                         blocks=cons.blocks, training=captured.training)
+    else:
+        captured.warnings = greedy.annotate(captured.gm, problem)
     captured.stage = "annotated"
     return captured
 
@@ -122,42 +136,18 @@ def annotate(captured: Captured, *, input_placements: Sequence | None = None,
 def set_placement(node: fx.Node, placements: Sequence, *, cost_model=None) -> None:
     """Force a node's output placements between ``annotate`` and ``redistribute``.
 
-    The node takes the cheapest strategy its sharding rule allows with exactly that output (its
+    The node takes the cheapest state its sharding rule allows with exactly that output (its
     inputs are redistributed as needed); consumers keep what they asked for, so ``redistribute``
-    inserts whatever the change costs.  Raises if the rule allows no such strategy."""
+    inserts whatever the change costs.  Raises if the rule allows no such state."""
     rec = info(node)
     if rec.spec is None:
         raise ValueError(f"set_placement({node.name}): annotate the graph first")
-    if rec.kind == "redistribute":
+    if rec.kind == NodeKind.REDISTRIBUTE:
         raise ValueError(f"set_placement({node.name}): redistribute nodes are placed by their plan; edit the "
                          f"producer or consumer instead (or set placements before redistribute)")
     mesh = (rec.spec[0] if isinstance(rec.spec, tuple) else rec.spec).mesh
-    want = ShardingSpec.make(mesh, placements, tuple(node.meta["val"].shape), node.meta["val"].dtype,
-                             what=f"set_placement({node.name})")
-    if node.op == "placeholder" or rec.kind == "boundary":
-        rec.spec = want
-        if rec.kind == "boundary":
-            rec.input_specs = (want,)
-        rec.provenance = "set_placement"
-        return
-    ann = _annotate.Annotator(mesh, cost_model or CostModel(mesh), PlanConstraints(dim=None), None, None)
-    targs = _annotate.tensor_args(node)
-    cur = [info(a).spec for a in targs]
-    best = None
-    for ins, outs in ann.candidates(node, cur) or []:
-        if not outs or outs[0] is None or tuple(_annotate._normalize(p, len(want.shape)) for p in outs[0]) \
-                != want.placements:
-            continue
-        specs = ann._specs_for(ins, targs, cur)
-        if specs is None:
-            continue
-        c = sum(ann.cost(a, b) for a, b in zip(cur, specs))
-        if best is None or c < best[0]:
-            best = (c, specs)
-    if best is None:
-        raise ValueError(f"set_placement({node.name}): the sharding rule of {node.target} allows no strategy with "
-                         f"output {want}")
-    rec.input_specs, rec.spec, rec.provenance = best[1], want, "set_placement"
+    problem = PlacementProblem(mesh, cost_model or CostModel(mesh), PlanConstraints(dim=None))
+    greedy.set_placement(node, placements, problem)
 
 
 @_gc_paused
@@ -165,50 +155,58 @@ def redistribute(captured: Captured) -> Captured:
     """Stage 3: explicit redistribute nodes wherever a consumer needs other placements."""
     if captured.stage != "annotated":
         raise ValueError(f"redistribute: expected an annotated program, got one that is {captured.stage}")
-    insert_redistributes(captured.gm, captured.cost_model, fuse=captured.fuse)
+    insert_redistributes(captured.gm, captured.config.cost_model, fuse=captured.config.multi_dim_collectives)
     captured.stage = "redistributed"
     return captured
 
 
 @_gc_paused
-def program(captured: Captured, *, after_lower: Sequence[Callable] = ()) -> ShardedProgram:
-    """The ShardedProgram of a redistributed graph (it lowers to the per-rank graph on demand)."""
+def program(captured: Captured, *, after_lower: Sequence[Callable] = (),
+            after_bucket: Sequence[Callable] = ()) -> ShardedProgram:
+    """The ShardedProgram of a redistributed graph.  Its per-rank graph is built on first use:
+    lowered (stage 4), ``after_lower`` passes, bucketed (stage 5), ``after_bucket`` passes."""
     if captured.stage != "redistributed":
         raise ValueError(f"program: expected a redistributed program, got one that is {captured.stage}")
-    prog = ShardedProgram(captured.gm, captured, captured.mesh, captured.cost_model, captured.warnings,
-                          captured.device_mesh, after_lower=tuple(after_lower))
+    prog = ShardedProgram(captured, after_lower=after_lower, after_bucket=after_bucket)
     log_program(prog)
     return prog
 
 
-def lower(captured_or_program) -> fx.GraphModule:
-    """Stage 4: the per-rank graph (local shapes, functional collectives, coordinate input)."""
+def lower(captured_or_program: Captured | ShardedProgram) -> fx.GraphModule:
+    """Stages 4-5: the per-rank graph (local shapes, functional collectives, coordinate input,
+    bucketed)."""
     prog = captured_or_program if isinstance(captured_or_program, ShardedProgram) else program(captured_or_program)
     return prog.local_graph
 
 
-def _passes_at(passes, point):
-    out = []
+def _point(stage) -> str:
+    if stage in _RENAMED_POINTS:
+        warnings.warn(f"pass point {stage!r} is deprecated: its passes run at {_RENAMED_POINTS[stage]!r}, on the "
+                      f"bucketed per-rank graph (fn(local_gm, program)); for the global graph use "
+                      f"'after_redistribute'", DeprecationWarning, stacklevel=4)
+        return _RENAMED_POINTS[stage]
+    return stage
+
+
+def _passes_by_point(passes) -> dict[str, list[Callable]]:
+    """{point: [fn, ...]} of ``(point, fn)`` pairs or functions with a ``stage`` attribute; every
+    pass validated up front."""
+    out: dict[str, list[Callable]] = {p: [] for p in PASS_POINTS}
     for p in passes or ():
         stage, fn = (p if isinstance(p, tuple) else (getattr(p, "stage", None), p))
-        if point is None:
-            if stage not in PASS_POINTS:
-                raise ValueError(f"pass {fn!r}: stage {stage!r} is not one of {PASS_POINTS} (give (stage, fn) "
-                                 f"or set fn.stage)")
-            continue
+        stage = _point(stage)
         if stage not in PASS_POINTS:
             raise ValueError(f"pass {fn!r}: stage {stage!r} is not one of {PASS_POINTS} (give (stage, fn) or set "
                              f"fn.stage)")
-        if stage == point:
-            out.append(fn)
+        out[stage].append(fn)
     return out
 
 
-def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, example_inputs: Sequence,
+def shard(model: nn.Module | Callable, mesh, plan: dict | str | None = None, *, example_inputs: Sequence,
           input_placements: Sequence | None = None, output_placements: Sequence | None = None,
           tp_dim: int | str | None = None, training: bool = False, cost_model=None,
-          passes: Sequence | None = None, fuse: bool = True,
-          bucket_bytes: int = 25 * 1024 * 1024, auto_options: AutoOptions | None = None,
+          passes: Sequence | None = None, multi_dim_collectives: bool = True, fuse: bool | None = None,
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, auto_options: AutoOptions | None = None,
           reuse_layers: bool | None = None) -> ShardedProgram:
     """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
 
@@ -217,27 +215,42 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | None = None, *, exampl
     chooses every placement by a global solve (``auto_options``: memory budget and more); a plan
     with an entry ``"*": "auto"`` fixes its other entries and solves for the rest.  Plain callables
     take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
-    ``passes``: ``(stage, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
-    points of the pipeline (see ``PASS_POINTS``).  ``fuse``: let the planner use one collective over
-    several mesh dims (a flattened group) where that is cheaper; ``bucket_bytes``: merge independent
-    collectives of one kind and group in the per-rank graph up to this many bytes (0: off).
-    ``reuse_layers`` (training, default on): trace each repeated layer once (see ``capture``).
+    ``passes``: ``(point, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
+    points of the pipeline (see ``PASS_POINTS``).  ``multi_dim_collectives``: let the planner use
+    one collective over several mesh dims (a flattened group) where that is cheaper (``fuse`` is
+    its old name); ``bucket_bytes``: merge independent collectives of one kind and group in the
+    per-rank graph up to this many bytes (0: off).  ``reuse_layers`` (training, default on): trace
+    each repeated layer once (see ``capture``).
     """
-    for p in passes or ():
-        _passes_at([p], None)  # validate every pass up front
-    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model, fuse=fuse,
-                training=training, reuse_layers=reuse_layers)
-    c.bucket_bytes = bucket_bytes
+    by_point = _passes_by_point(passes)
+    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model,
+                multi_dim_collectives=_multi_dim(multi_dim_collectives, fuse), training=training,
+                reuse_layers=reuse_layers, bucket_bytes=bucket_bytes)
     annotate(c, input_placements=input_placements, output_placements=output_placements, auto_options=auto_options)
-    for fn in _passes_at(passes, "after_annotate"):
+    for fn in by_point["after_annotate"]:
         fn(c.gm, c)
     redistribute(c)
-    for point in ("after_redistribute", "after_fuse"):
-        for fn in _passes_at(passes, point):
-            fn(c.gm, c)
-            c.gm.graph.lint()
-            c.gm.recompile()
-    return program(c, after_lower=_passes_at(passes, "after_lower"))
+    for fn in by_point["after_redistribute"]:
+        fn(c.gm, c)
+        c.gm.graph.lint()
+        c.gm.recompile()
+    return program(c, after_lower=by_point["after_lower"], after_bucket=by_point["after_bucket"])
 
 
-__all__ = ["capture", "annotate", "set_placement", "redistribute", "program", "lower", "shard", "PASS_POINTS"]
+def shard_dynamo_graph(gm: fx.GraphModule, args: Sequence, config: ShardConfig, constraints: PlanConstraints, *,
+                       roots: dict | None = None, sources: Sequence | None = None, training: bool = False,
+                       num_outputs: int = 1, auto_options: AutoOptions | None = None) -> ShardedProgram:
+    """A dynamo graph sharded for this call's arguments (the ``torch.compile`` backend): captured
+    (the joint forward+backward under autograd), annotated with every output handed back
+    replicated (the global values), redistributed."""
+    c = capture_dynamo_graph(gm, args, constraints.hooked, roots, sources, training=training)
+    c = dataclasses.replace(c, config=config, constraints=constraints)
+    replicated = (Replicate(),) * config.mesh.ndim
+    annotate(c, output_placements=[replicated] * num_outputs,
+             auto_options=auto_options if constraints.auto else None)
+    redistribute(c)
+    return program(c)
+
+
+__all__ = ["capture", "annotate", "set_placement", "redistribute", "program", "lower", "shard", "shard_dynamo_graph",
+           "PASS_POINTS"]

@@ -19,14 +19,20 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .adapter import Replicate
-from .backend import CompiledProgram, device_of
-from .cost import CostModel
-from .mesh import MeshSpec
-from .passes.annotate import state_spec
-from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, info
+from . import api
+from ._torch import Replicate, fake_mode, set_module_tensor
+from .core.config import DEFAULT_BUCKET_BYTES
+from .core.cost import CostModel
+from .core.mesh import MeshSpec
+from .core.spec import ShardingSpec
+from .ir import INPUT, STATE_KINDS, info
 from .passes.lower import local_shape
-from .plans import resolve_plan
+from .placement.constraints import resolve_plan
+from .placement.greedy import state_placement
+from .placement.problem import PlacementProblem
+from .planner import plan_between
+from .planner.execute import execute_plan, group_names
+from .runtime.compiled import CompiledProgram, CompiledTraining, device_of
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -35,8 +41,9 @@ def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, model: nn.Module, device_mesh, plan: dict, *, tp_dim=None, fuse: bool = True,
-                 bucket_bytes: int = 25 * 1024 * 1024, cost_model=None, inductor: bool = True,
+    def __init__(self, model: nn.Module, device_mesh, plan: dict, *, tp_dim: int | str | None = None,
+                 multi_dim_collectives: bool = True, fuse: bool | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, cost_model=None, inductor: bool = True,
                  init_fn: Callable | None = None):
         super().__init__()
         import torch.distributed as dist
@@ -52,7 +59,8 @@ class ParallelModule(nn.Module):
         self.mesh = MeshSpec.from_device_mesh(device_mesh)
         self.plan = plan
         self.tp_dim = tp_dim
-        self.options = dict(fuse=fuse, bucket_bytes=bucket_bytes, cost_model=cost_model or CostModel(self.mesh))
+        self.options = dict(multi_dim_collectives=api._multi_dim(multi_dim_collectives, fuse),
+                            bucket_bytes=bucket_bytes, cost_model=cost_model or CostModel(self.mesh))
         self.inductor = inductor
         self.device = device_of(device_mesh)
         coord = device_mesh.get_coordinate()
@@ -72,14 +80,15 @@ class ParallelModule(nn.Module):
         entries = [(f, t, True) for f, t in model.named_parameters(remove_duplicate=False)] + \
                   [(f, t, False) for f, t in model.named_buffers(remove_duplicate=False)]
         shared: dict[int, tuple] = {}  # tied tensors: every alias gets the first FQN's shard
+        problem = PlacementProblem(self.mesh, self.options["cost_model"], self.constraints)
         for fqn, t, is_param in entries:
             if id(t) in shared:
                 first, local = shared[id(t)]
                 self.specs[fqn] = self.specs[first]
                 owner, name = _owner(model, fqn)
-                (owner._parameters if is_param else owner._buffers)[name] = local
+                set_module_tensor(owner, name, local, parameter=is_param)
                 continue
-            spec, _prov, warning = state_spec(self.mesh, self.constraints, fqn, tuple(t.shape), t.dtype)
+            spec, _prov, warning = state_placement(problem, fqn, t)
             if warning:
                 self.warnings.append(warning)
             self.specs[fqn] = spec
@@ -97,16 +106,12 @@ class ParallelModule(nn.Module):
                 local = nn.Parameter(local, requires_grad=t.requires_grad)
                 setattr(owner, name, local)
             else:
-                owner._buffers[name] = local
+                set_module_tensor(owner, name, local, parameter=False)
             shared[id(t)] = (fqn, local)
             del t, local  # a global tensor is freed as soon as its shard replaces it (and its aliases')
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer as its global tensor (gathered; on every rank)."""
-        from .planner import plan_between
-        from .planner.execute import execute_plan, group_names
-        from .spec import ShardingSpec
-
         groups = group_names(self.device_mesh)
         persistent = set(self.module.state_dict(keep_vars=True))
         out = {}
@@ -149,7 +154,7 @@ class ParallelModule(nn.Module):
 
     # ---- running ------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _global_meta_state(self, fake_mode):
+    def _global_meta_state(self, mode):
         """Swap every local shard for a fake tensor of the global shape while capturing (fake, not
         meta: ops pick their kernels by device, e.g. CPU/CUDA attention, and the graph must be the
         one that will run)."""
@@ -157,24 +162,20 @@ class ParallelModule(nn.Module):
         for fqn, spec in self.specs.items():
             owner, name = _owner(self.module, fqn)
             local = getattr(owner, name)
-            with fake_mode:
+            with mode:
                 meta = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            if isinstance(local, nn.Parameter):
-                owner._parameters[name] = nn.Parameter(meta, requires_grad=local.requires_grad)
-            else:
-                owner._buffers[name] = meta
-            saved.append((owner, name, local, isinstance(local, nn.Parameter)))
+            is_param = isinstance(local, nn.Parameter)
+            set_module_tensor(owner, name, nn.Parameter(meta, requires_grad=local.requires_grad) if is_param else meta,
+                              parameter=is_param)
+            saved.append((owner, name, local, is_param))
         try:
             yield
         finally:
             for owner, name, local, is_param in saved:
-                (owner._parameters if is_param else owner._buffers)[name] = local
+                set_module_tensor(owner, name, local, parameter=is_param)
 
     def program_for(self, *inputs, training: bool = False):
         """The ShardedProgram (and its compiled form) for inputs of these shapes."""
-        from . import api
-        from .backend import CompiledTraining
-
         for x in inputs:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"fxshard.parallelize: forward takes tensors only (got {type(x).__name__}); bind "
@@ -187,18 +188,16 @@ class ParallelModule(nn.Module):
         hit = self._programs.get(key)
         if hit is not None:
             return hit
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
+        fm = fake_mode(allow_non_fake_inputs=True)
+        with fm:
             meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device=self.device).requires_grad_(x.requires_grad)
                            if isinstance(x, torch.Tensor) else x for x in inputs]
-        with self._global_meta_state(fake_mode):
+        with self._global_meta_state(fm):
             prog = api.shard(self.module, self.mesh, self.plan, example_inputs=meta_inputs, tp_dim=self.tp_dim,
                              training=training, **self.options)
         for p in prog.placeholders:
             rec = info(p)
-            if rec.kind in (PARAM, BUFFER, CONSTANT) and rec.spec != self.specs[rec.fqn]:
+            if rec.kind in STATE_KINDS and rec.spec != self.specs[rec.fqn]:
                 raise AssertionError(f"fxshard.parallelize: {rec.fqn} was sharded as {self.specs[rec.fqn]} but the "
                                      f"program wants {rec.spec}")
         if training:
@@ -227,7 +226,7 @@ class ParallelModule(nn.Module):
         args = []
         for p in prog.placeholders:
             rec = info(p)
-            if rec.kind in (PARAM, BUFFER, CONSTANT):
+            if rec.kind in STATE_KINDS:
                 args.append(self._local(rec.fqn))
             elif rec.kind == INPUT:
                 x = inputs[rec.input_index]
@@ -242,6 +241,7 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, device_mesh, plan: dict, **kwargs) -> ParallelModule:
     """``model`` with every parameter replaced by this rank's shard (see the module docstring).
 
-    ``kwargs``: ``tp_dim``, ``fuse``, ``bucket_bytes``, ``cost_model``, ``inductor`` (False: run the
-    per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)`` (fills shards of a meta-built model)."""
+    ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``, ``inductor``
+    (False: run the per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)`` (fills shards of a
+    meta-built model)."""
     return ParallelModule(model, device_mesh, plan, **kwargs)

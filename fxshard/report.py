@@ -15,8 +15,9 @@ import logging
 import re
 from dataclasses import asdict, dataclass, field
 
-from .passes.capture import info
-from .spec import placements_str
+from ._torch import is_op_overload, trace_artifact
+from .core.spec import levels_to_placements, placements_str
+from .ir import info
 
 log = logging.getLogger("fxshard")
 
@@ -51,8 +52,6 @@ class Row:
 def _redistribute_text(plan) -> str:
     states = []
     for lv, part in zip(plan.levels, plan.partials):
-        from .spec import levels_to_placements
-
         states.append(placements_str(levels_to_placements(lv, part, plan.src.mesh.ndim), lv))
     return " -> ".join(states)
 
@@ -74,7 +73,7 @@ def _consumer(n):
 
 def node_rows(prog, verbose: bool = False) -> list[Row]:
     rows = []
-    for n in prog.graph.graph.nodes:
+    for n in prog.global_graph.graph.nodes:
         rec = info(n)
         if n.op == "output":
             continue
@@ -107,10 +106,10 @@ def _op_name(n) -> str:
         return n.op
     t = n.target
     name = getattr(t, "__name__", str(t))
-    if hasattr(t, "_schema"):  # OpOverload: aten.mm.default -> mm
+    if is_op_overload(t):  # aten.mm.default -> mm
         name = str(t).split(".")[-2] if str(t).count(".") >= 2 else str(t)
     if info(n).kind == "boundary":
-        return "boundary " + info(n).extra["tag"].split(":", 1)[1]
+        return "boundary " + info(n).tag.split(":", 1)[1]
     return name
 
 
@@ -171,14 +170,33 @@ def _fmt_colls(colls) -> str:
     return "; ".join(f"{k}{list(d)} {b}B {c:.2f}us" for k, d, b, c in colls)
 
 
-def summary(prog) -> dict:
+def summary(prog, phase: str | None = None) -> dict:
+    """{kind: {count, bytes, us}} of what the per-rank graph runs (``phase``: only "forward" or
+    "backward" collectives)."""
     kinds: dict[str, list] = {}
     for c in prog.collectives():
+        if phase is not None and c.phase != phase:
+            continue
         k = kinds.setdefault(c.kind, [0, 0, 0.0])
         k[0] += 1
         k[1] += c.bytes
         k[2] += c.cost
     return {k: {"count": v[0], "bytes": v[1], "us": round(v[2], 2)} for k, v in sorted(kinds.items())}
+
+
+def _phase_lines(prog) -> list[str]:
+    """The footer: per phase, what the per-rank graph runs (after bucketing) and its totals."""
+    lines = []
+    for phase in ("forward", "backward"):
+        s = summary(prog, phase)
+        if not s and (phase == "backward" or any(c.phase == "backward" for c in prog.collectives())):
+            continue
+        total_b = sum(v["bytes"] for v in s.values())
+        total_us = sum(v["us"] for v in s.values())
+        lines.append(f"{phase}: " + (", ".join(f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)"
+                                               for k, v in s.items()) or "no collectives")
+                     + (f"; total {total_b} B, {total_us:.2f} us per step" if s else ""))
+    return lines
 
 
 def explain(prog, verbose: bool = False, format: str = "text") -> str:
@@ -196,18 +214,13 @@ def explain(prog, verbose: bool = False, format: str = "text") -> str:
     lines = [f"fxshard plan on mesh {prog.mesh.shape}" + (f" {prog.mesh.names}" if prog.mesh.names else "")]
     for t in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
-    s = summary(prog)
-    total_b = sum(v["bytes"] for v in s.values())
-    total_us = sum(v["us"] for v in s.values())
     lines.append("")
-    lines.append("forward: " + (", ".join(f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)"
-                                          for k, v in s.items()) or "no collectives")
-                 + (f"; total {total_b} B, {total_us:.2f} us per step" if s else ""))
+    lines += _phase_lines(prog)
     for w in prog.warnings:
         lines.append(f"fallback: {w}")
     for m in missed_fusions(prog):
         lines.append(f"missed fusion: {m}")
-    if getattr(prog, "bucketed", 0):
+    if prog.bucketed:
         lines.append(f"bucketed: {prog.bucketed} collectives merged into others in the per-rank graph")
     return "\n".join(lines)
 
@@ -216,8 +229,8 @@ def missed_fusions(prog) -> list[str]:
     """Runs of same-kind collectives on different mesh dims inside one redistribute that one collective
     over the flattened dims could have done, with the reason they were not fused."""
     out = []
-    fuse = getattr(prog.captured, "fuse", False)
-    for n in prog.graph.graph.nodes:
+    fuse = prog.config.multi_dim_collectives
+    for n in prog.global_graph.graph.nodes:
         rec = info(n)
         if rec.kind != "redistribute":
             continue
@@ -226,7 +239,7 @@ def missed_fusions(prog) -> list[str]:
             if a.collective == b.collective and a.mesh_dims != b.mesh_dims:
                 where = f"{rec.module}: " if rec.module else ""
                 if not fuse:
-                    why = "fusion off (fuse=False)"
+                    why = "fusion off (multi_dim_collectives=False)"
                 elif any(sf != 1 for lv in rec.plan.levels for st in lv for _, sf in st):
                     why = "strided levels are not fused"
                 else:
@@ -243,6 +256,7 @@ def to_json(prog, verbose: bool = False) -> str:
         "rows": [asdict(r) for r in rows],
         "collectives": [asdict(c) for c in prog.collectives()],
         "summary": summary(prog),
+        "phases": {ph: summary(prog, ph) for ph in ("forward", "backward")},
         "fallbacks": list(prog.warnings),
     }, indent=1)
 
@@ -279,14 +293,13 @@ def to_html(prog, verbose: bool = False) -> str:
                        f'{e(c.provenance)}</title></rect>')
             x += w
     svg.append("</svg>")
-    s = summary(prog)
-    foot = ", ".join(f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)" for k, v in s.items())
+    foot = "; ".join(_phase_lines(prog))
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>fxshard plan</title><style>"
             "body{font-family:monospace;font-size:12px} table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left} tr.redist{background:#fff3e0}"
             "</style></head><body>"
             f"<h3>fxshard plan on mesh {e(str(prog.mesh.shape))}</h3>"
-            f"<p>forward: {e(foot or 'no collectives')}</p>" + "".join(svg) + "".join(body) +
+            f"<p>{e(foot)}</p>" + "".join(svg) + "".join(body) +
             "".join(f"<p>fallback: {e(w)}</p>" for w in prog.warnings) + "</body></html>")
 
 
@@ -296,7 +309,7 @@ def _diff_rows(prog) -> dict:
     """{op node name: (module, op, placements, incoming collectives, cost)} for every ATen op node."""
     incoming: dict[str, list] = {}
     costs: dict[str, float] = {}
-    for n in prog.graph.graph.nodes:
+    for n in prog.global_graph.graph.nodes:
         rec = info(n)
         if rec.kind != "redistribute":
             continue
@@ -306,13 +319,13 @@ def _diff_rows(prog) -> dict:
             incoming.setdefault(cons.name, []).append(f"{step.collective}{list(step.mesh_dims)} {nbytes}B")
         costs[cons.name] = costs.get(cons.name, 0.0) + plan.cost
     out = {}
-    for n in prog.graph.graph.nodes:
+    for n in prog.global_graph.graph.nodes:
         rec = info(n)
         if n.op != "call_function" or rec.kind in ("redistribute", "boundary"):
             continue
         out[n.name] = (rec.module, _op_name(n), _pl(rec.spec), tuple(incoming.get(n.name, ())),
                        costs.get(n.name, 0.0))
-    out_node = next(n for n in prog.graph.graph.nodes if n.op == "output")
+    out_node = next(n for n in prog.global_graph.graph.nodes if n.op == "output")
     out["output"] = ("", "output", _pl(info(out_node).input_specs), tuple(incoming.get("output", ())),
                      costs.get("output", 0.0))
     return out
@@ -366,8 +379,6 @@ def _layers(module: str) -> int:
 def log_program(prog) -> None:
     """Plan summary on the ``fxshard`` logger (``TORCH_LOGS=fxshard``) and as a structured-trace
     artifact (``TORCH_TRACE``; tlparse shows it)."""
-    from .adapter import trace_artifact
-
     if log.isEnabledFor(logging.INFO):
         log.info("fxshard plan:\n%s", explain(prog))
     for m in missed_fusions(prog):

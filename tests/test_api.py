@@ -11,7 +11,7 @@ from models import MLP, Llama, example_input, init_weights, megatron_tp_plan, ml
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard.passes.capture import info
+from fxshard.ir import info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
@@ -28,52 +28,6 @@ def test_stages_one_by_one_equal_shard():
     assert staged.explain() == prog.explain()
     assert staged.local_graph.code == prog.local_graph.code
     assert fxshard.diff(prog, staged) == "no difference"
-
-
-def test_set_placement_between_stages_changes_plan_and_stays_correct():
-    model = init_weights(MLP())
-    x = example_input(model)
-    c = fxshard.annotate(fxshard.capture(model, x, mesh=fxshard.MeshSpec((2,)), plan=mlp_plan()))
-    relu = next(n for n in c.gm.graph.nodes if n.target is torch.ops.aten.relu.default)
-    assert info(relu).spec.placements == (Shard(2),)
-    fxshard.set_placement(relu, (Replicate(),))
-    assert info(relu).provenance == "set_placement"
-    prog = fxshard.program(fxshard.redistribute(c))
-    base = fxshard.shard(model, fxshard.MeshSpec((2,)), mlp_plan(), example_inputs=x)
-    assert "relu" in fxshard.diff(base, prog)
-    torch.testing.assert_close(prog.simulate(*x), model(*x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="allows no strategy with output"):
-        fxshard.set_placement(next(n for n in c.gm.graph.nodes if n.target is torch.ops.aten.addmm.default),
-                              (Partial("max"),))
-
-
-def test_register_rule_overrides_builtin_and_unregister_restores():
-    def f(x):
-        return torch.relu(x) * 3
-
-    x = torch.randn(8, 4)
-    kw = dict(example_inputs=(x,), input_placements=[(Shard(0),)], output_placements=[(Shard(0),)])
-    base = fxshard.shard(f, fxshard.MeshSpec((2,)), **kw)
-    assert not base.collectives()
-    # a (silly) rule that only lets relu run replicated: fxshard must now gather before it
-    fxshard.register_rule(torch.ops.aten.relu.default, [((Replicate(),), (Replicate(),))])
-    try:
-        prog = fxshard.shard(f, fxshard.MeshSpec((2,)), **kw)
-        assert [c.kind for c in prog.collectives()] == ["all_gather"]
-        torch.testing.assert_close(prog.simulate(x), f(x))
-    finally:
-        fxshard.unregister_rule(torch.ops.aten.relu.default)
-    assert not fxshard.shard(f, fxshard.MeshSpec((2,)), **kw).collectives()
-
-
-def test_bad_rule_is_rejected_when_registered():
-    with pytest.raises(ValueError, match="has 2 tensor inputs and 1 tensor outputs"):
-        fxshard.register_rule(torch.ops.aten.add.Tensor, [((Shard(0),), (Shard(0),))])
-    with pytest.raises(ValueError, match="is not a placement"):
-        fxshard.register_rule(torch.ops.aten.relu.default, [(("S0",), (Shard(0),))])
-    with pytest.raises(TypeError, match="expected a torch operator"):
-        fxshard.register_rule(lambda x: x, [])
-    assert not fxshard.strategies.has_rule(torch.ops.aten.add.Tensor)
 
 
 class ExpensiveAllToAll:

@@ -7,7 +7,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 import fxshard
 from fxshard import zoo
-from fxshard.passes.capture import PARAM, info
+from fxshard.ir import PARAM, info
 
 
 def _llama():
@@ -20,7 +20,7 @@ def _rel(a, b):
 
 
 def _params(prog):
-    return {info(n).fqn: info(n).spec for n in prog.graph.graph.nodes if info(n).kind == PARAM}
+    return {info(n).fqn: info(n).spec for n in prog.global_graph.graph.nodes if info(n).kind == PARAM}
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -108,11 +108,12 @@ def test_explain_shows_runner_up_and_is_deterministic():
     a = fxshard.shard(m, mesh, plan="auto", example_inputs=x, auto_options=opts)
     b = fxshard.shard(m, mesh, plan="auto", example_inputs=x, auto_options=opts)
     assert "runner-up" in a.explain()
-    provs = [info(n).provenance for n in a.graph.graph.nodes if info(n).provenance.startswith("auto")]
+    provs = [info(n).provenance for n in a.global_graph.graph.nodes if info(n).provenance.startswith("auto")]
     assert any("runner-up" in p and " us" in p for p in provs)
     assert any("follows its input" in p for p in provs)
     assert fxshard.diff(a, b).count("@@") == 0
-    assert [str(info(n).spec) for n in a.graph.graph.nodes] == [str(info(n).spec) for n in b.graph.graph.nodes]
+    specs = lambda p: [str(info(n).spec) for n in p.global_graph.graph.nodes]  # noqa: E731
+    assert specs(a) == specs(b)
 
 
 def test_auto_options_need_auto_plan():
@@ -164,9 +165,7 @@ def _brute_force(domains, unary, factors, mem, budget):
 def test_dominance_pruning_keeps_an_optimum():
     """Dropping dominated states (exact by construction) never loses the optimum: brute force over
     small random factor graphs, with and without a memory budget."""
-    import types
-
-    from fxshard.passes.auto import AutoPlanner
+    from fxshard.placement.auto.ilp import dominance
 
     g = torch.Generator().manual_seed(0)
     for trial in range(30):
@@ -179,15 +178,13 @@ def test_dominance_pruning_keeps_an_optimum():
         for (u, v) in factors:
             nbrs[u][v] = nbrs[v][u] = (u, v)
         budget = None if trial % 2 else 8.0
-        fake = types.SimpleNamespace(vars=[types.SimpleNamespace(memory=m) for m in mem])
-        keep = AutoPlanner._dominance(fake, list(range(nv)), unary, factors, nbrs, budget)
+        keep = dominance(list(range(nv)), unary, factors, nbrs, dict(enumerate(mem)), budget)
 
         kept = _brute_force([keep[v].tolist() for v in range(nv)], unary, factors, mem, budget)
         assert kept == _brute_force([range(ns)] * nv, unary, factors, mem, budget), trial
     # near-ties: a tolerant "<=" is not transitive and once dropped every state of a variable
     x, d = 1000.0, 0.7e-6
     unary = [torch.tensor([x + 2 * d, x + d, x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
-    fake = types.SimpleNamespace(vars=[types.SimpleNamespace(memory=None)] * 2)
-    keep = AutoPlanner._dominance(fake, [0, 1], unary, {(0, 1): torch.zeros(3, 1, dtype=torch.float64)},
-                                  [{1: (0, 1)}, {0: (0, 1)}], None)
+    keep = dominance([0, 1], unary, {(0, 1): torch.zeros(3, 1, dtype=torch.float64)},
+                     [{1: (0, 1)}, {0: (0, 1)}], {}, None)
     assert keep[0].tolist() == [2]

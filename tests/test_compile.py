@@ -17,8 +17,8 @@ from models import MLP, ConvNet, Llama, example_input, init_weights, megatron_tp
 import fxshard
 from fxshard import zoo
 from fxshard.backend import ShardedGraph, compiled_programs
-from fxshard.launch import spawn
-from fxshard.passes.capture import info
+from fxshard.ir import info
+from fxshard.runtime.launch import spawn
 
 MESH_TP = fxshard.MeshSpec((4,), names=("tp",))
 MESH_DP_TP = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
@@ -89,7 +89,7 @@ def test_backend_plan_auto_matches_single_device(training):
     prog = compiled_programs()[-1]
     rep = prog.captured.auto
     assert rep is not None and rep.shared_layers == 1 and rep.memory_bytes <= budget, str(rep)
-    assert any(info(n).spec.num_shards > 1 for n in prog.graph.graph.nodes if info(n).kind == "param")
+    assert any(info(n).spec.num_shards > 1 for n in prog.global_graph.graph.nodes if info(n).kind == "param")
 
 
 def test_backend_without_plan_entries_replicates_and_matches():
@@ -159,7 +159,7 @@ def test_parameter_shards_are_cached_and_refreshed():
     """Slice once; a replaced parameter or an in-place update (version counter) slices again."""
     g = ShardedGraph.__new__(ShardedGraph)
     g._shards = {}
-    spec = fxshard.ShardingSpec.make(MESH_TP, (fxshard.spec.Shard(0),), (8, 2), torch.float32)
+    spec = fxshard.ShardingSpec.make(MESH_TP, (fxshard._torch.Shard(0),), (8, 2), torch.float32)
     calls = []
 
     class Fake:

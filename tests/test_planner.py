@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard import adapter
-from fxshard.adapter import StridedShard
-from fxshard.cost import CostModel
-from fxshard.spec import ShardingSpec
+from fxshard import _torch as adapter
+from fxshard._torch import StridedShard
+from fxshard.core.cost import CostModel
+from fxshard.core.spec import ShardingSpec
+from fxshard.planner.execute import execute_plan, group_names, mesh_coordinate
+from fxshard.runtime.simulate import SimulatedMesh
 
 R, P = Replicate(), Partial()
 
@@ -108,7 +110,7 @@ def test_astar_matches_brute_force(mesh_shape, fuse):
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice([8, 64, 512, 96]) for _ in range(ndim))
         src, dst = _random_pl(rng, len(mesh_shape), ndim), _random_pl(rng, len(mesh_shape), ndim)
-        plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False, fuse=fuse)
+        plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False, multi_dim_collectives=fuse)
         ref = brute_force_cost(mesh, src, dst, shape, cm, fuse=fuse)
         assert plan.cost == pytest.approx(ref, rel=1e-9, abs=1e-9), (src, dst, shape, str(plan))
         if fuse:
@@ -152,7 +154,7 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
     """One Dijkstra run from a source, and the closed state graph (what plan="auto" uses for all
     pairs), give exactly the A* costs over every even placement incl. mixed reduce ops and a
     non-default shard order."""
-    from fxshard.passes.annotate import is_even
+    from fxshard.core.spec import is_even
     from fxshard.planner import costs_from, pairwise_costs, plan_between
 
     mesh = fxshard.MeshSpec(mesh_shape)
@@ -342,7 +344,7 @@ def test_plan_api_shape():
 @SETTINGS
 @given(problems(max_mesh_ndim=3))
 def test_even_only_plans_stay_even(prob):
-    from fxshard.passes.annotate import is_even
+    from fxshard.core.spec import is_even
 
     mesh, _, (a, oa), (b, ob), _ = prob
     shape = tuple(24 for _ in range(max(p.dim for p in (*a, *b) if isinstance(p, Shard)) + 1)) \
@@ -358,7 +360,7 @@ def test_even_only_plans_stay_even(prob):
     free = fxshard.plan_redistribute(mesh, a, b, shape, src_order=oa, dst_order=ob)
     assert plan.cost >= free.cost - 1e-9
     for lv, part in zip(plan.levels, plan.partials):
-        spec = ShardingSpec.make(mesh, fxshard.spec.levels_to_placements(lv, part, mesh.ndim), shape,
+        spec = ShardingSpec.make(mesh, fxshard.core.spec.levels_to_placements(lv, part, mesh.ndim), shape,
                                  shard_order={d: tuple(m for m, _ in st) for d, st in enumerate(lv) if st})
         assert is_even(spec), str(plan)
 
@@ -390,3 +392,37 @@ def test_regressions_found_by_review():
     mesh = fxshard.MeshSpec((3, 4), bandwidth=(0.5, 200), latency=(0, 1))
     check(mesh, Duck(CostModel(mesh, base_latency_us=0.0)), (Partial("max"), Partial("max")), (R, Shard(0)), (24,),
           fuse=True)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4), (2, 2, 2)])
+@pytest.mark.parametrize("src,dst,kind", [
+    ("SS", "RR", "all_gather"), ("PP", "SS", "reduce_scatter"), ("PP", "RR", "all_reduce"),
+    ("SS", "TT", "all_to_all")])
+def test_fusable_patterns_become_one_collective(mesh_shape, src, dst, kind):
+    n = len(mesh_shape)
+    code = {"S": Shard(0), "T": Shard(1), "R": R, "P": P}
+    s = tuple(code[src[0]] for _ in range(n))
+    d = tuple(code[dst[0]] for _ in range(n))
+    mesh = fxshard.MeshSpec(mesh_shape)
+    fused = fxshard.plan_redistribute(mesh, s, d, (64, 64), multi_dim_collectives=True)
+    plain = fxshard.plan_redistribute(mesh, s, d, (64, 64))
+    colls = [st for st in fused.steps if st.collective]
+    assert [c.collective for c in colls] == [kind] and colls[0].mesh_dims == tuple(range(n)), str(fused)
+    assert len([st for st in plain.steps if st.collective]) == n
+    assert fused.cost < plain.cost
+
+
+def test_mixed_sum_and_avg_reduce_in_one_all_reduce():
+    """Partial(sum) on one mesh dim, Partial(avg) on another: one sum all-reduce over both, then a scale."""
+    mesh = fxshard.MeshSpec((2, 4))
+    src = (Partial("sum"), Partial("avg"))
+    plan = fxshard.plan_redistribute(mesh, src, (R, R), (8, 8), multi_dim_collectives=True)
+    assert [(s.collective, s.mesh_dims) for s in plan.steps if s.collective] == [("all_reduce", (0, 1))]
+    full = torch.randn(8, 8)
+    with SimulatedMesh((2, 4)) as sim:
+        x = sim.distribute(full, plan.src, partial_seed=0)
+        y = execute_plan(plan, x, group_names(sim.device_mesh), mesh_coordinate(sim.device_mesh))
+        torch.testing.assert_close(sim.assemble(y, plan.dst), full, rtol=1e-5, atol=1e-5)
+    # max cannot share a collective with sum
+    with pytest.raises(ValueError, match="only sum and avg may be mixed"):
+        fxshard.plan_redistribute(mesh, (Partial("sum"), Partial("max")), (R, R), (8, 8))

@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
+from fxshard.core.spec import ShardingSpec
 from fxshard.planner.execute import execute_plan, group_names, mesh_coordinate
-from fxshard.simulate import SimulatedMesh
-from fxshard.spec import ShardingSpec
+from fxshard.runtime.simulate import SimulatedMesh
 
 MESHES = [(2,), (3,), (4,), (2, 2), (2, 3), (2, 4), (2, 2, 2)]
 SHAPES = [(8, 8), (5, 3), (7, 6, 4), (1, 5)]
@@ -46,7 +46,7 @@ def check_pairs(sim, full, pairs, fuse=False):
     coord = mesh_coordinate(sim.device_mesh)
     fused = 0
     for i, (src, dst, order) in enumerate(pairs):
-        plan = fxshard.plan_redistribute(sim.spec, src, dst, full.shape, src_order=order, fuse=fuse)
+        plan = fxshard.plan_redistribute(sim.spec, src, dst, full.shape, src_order=order, multi_dim_collectives=fuse)
         fused += any(len(s.mesh_dims) > 1 for s in plan.steps)
         x = sim.distribute(full, plan.src, partial_seed=i)
         y = execute_plan(plan, x, groups, coord)
@@ -97,7 +97,7 @@ def test_spec_matches_dtensor_chunking():
     """Our local shapes / indices equal DTensor's distribute_tensor for every default-order placement."""
     from torch.distributed.tensor import distribute_tensor
 
-    from fxshard.adapter import local_tensor_values
+    from fxshard._torch import local_tensor_values
 
     for mesh, shape in [((2, 2), (5, 3)), ((2, 3), (7, 6, 4)), ((4,), (5, 3))]:
         full = torch.randn(shape)
@@ -113,7 +113,7 @@ def test_spec_matches_dtensor_chunking():
 
 
 def _strided_options(ndim):
-    from fxshard.adapter import StridedShard
+    from fxshard._torch import StridedShard
 
     return ([Replicate(), Partial("sum")] + [Shard(d) for d in range(ndim)]
             + [StridedShard(d, split_factor=sf) for d in range(ndim) for sf in (2, 3)])
@@ -135,7 +135,7 @@ def test_strided_sweep(mesh, shape):
 
 def test_strided_spec_matches_torch_split():
     """Our _StridedShard layout is torch's own _StridedShard._split_tensor, uneven sizes included."""
-    from fxshard.adapter import StridedShard
+    from fxshard._torch import StridedShard
 
     for shape in [(16, 12), (13, 7)]:
         full = torch.randn(shape)
@@ -155,8 +155,8 @@ def test_traced_plan_is_rank_agnostic(mesh, shape):
     """One make_fx graph (coordinate as an input tensor) serves every rank."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fxshard.adapter import coordinate_tensor
-    from fxshard.passes.annotate import is_even
+    from fxshard._torch import coordinate_tensor
+    from fxshard.core.spec import is_even
 
     full = torch.randn(shape)
     rng = random.Random(0)

@@ -185,7 +185,7 @@ total: +6.60 us (7.82 -> 14.42)""")
 
         kw = dict(example_inputs=(torch.randn(8, 4),), input_placements=[(Shard(0), Shard(0))],
                   output_placements=[(Replicate(), Replicate())])
-        prog = fxshard.shard(f, fxshard.MeshSpec((2, 2)), fuse=False, **kw)
+        prog = fxshard.shard(f, fxshard.MeshSpec((2, 2)), multi_dim_collectives=False, **kw)
         self.assertIn("missed fusion: redistribute all_gather on mesh dims [1] then [0]", prog.explain())
         fused = fxshard.shard(f, fxshard.MeshSpec((2, 2)), **kw)
         self.assertNotIn("missed fusion", fused.explain())
@@ -309,7 +309,8 @@ def test_json_round_trips_to_collectives():
     got = data["collectives"]
     assert len(got) == len(expect)
     for g, e in zip(got, expect):
-        assert g == {**e, "mesh_dims": list(e["mesh_dims"])}
+        assert g == {**e, "mesh_dims": list(e["mesh_dims"]),
+                     "carries": [{**c, "mesh_dims": list(c["mesh_dims"]), "carries": []} for c in e["carries"]]}
     assert data["summary"]["all_gather"]["count"] == sum(c.kind == "all_gather" for c in prog.collectives())
 
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fxshard
 from fxshard import zoo
-from fxshard.launch import spawn
+from fxshard.runtime.launch import spawn
 
 
 def _reference(model, x, grad_outputs=None):
@@ -112,8 +112,11 @@ def test_data_parallel_gradients_are_reduced_in_the_graph():
     model = _scalar_loss(init_weights(MLP()))
     prog = _check(model, fxshard.MeshSpec((2, 2), names=("dp", "tp")), _prefixed(mlp_plan()),
                   example_input(model.model))
-    dp_reductions = [c for c in prog.collectives() if c.phase == "backward" and c.mesh_dims == (0,)]
+    dp_reductions = [c for c in prog.planned_collectives() if c.phase == "backward" and c.mesh_dims == (0,)]
     assert {c.kind for c in dp_reductions} == {"all_reduce"} and len(dp_reductions) == 4  # every parameter
+    # the per-rank graph runs them bucketed: one all-reduce carrying all four
+    (run,) = [c for c in prog.collectives() if c.phase == "backward" and c.mesh_dims == (0,)]
+    assert run.kind == "all_reduce" and sorted(run.carries, key=str) == sorted(dp_reductions, key=str)
 
 
 def test_non_scalar_output_takes_grad_outputs():
@@ -205,7 +208,7 @@ def one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.launch import free_port
+    from fxshard.runtime.launch import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

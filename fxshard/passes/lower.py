@@ -6,7 +6,8 @@ of view-like ops become the local shapes of the node's output spec, redistribute
 the planner's executor (functional collectives + waits), and vocab-parallel embeddings become masked
 local lookups.  The rank's mesh coordinate is the graph's first input (an int64 tensor), so one
 graph serves every rank.  Process groups appear by name; ``bind_groups`` swaps the names for a
-concrete ``DeviceMesh``'s.
+concrete ``DeviceMesh``'s.  Every collective of the per-rank graph records the planned step it runs
+(``info(node).carries``).
 """
 
 from __future__ import annotations
@@ -15,20 +16,18 @@ import copy
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .._torch import COLLECTIVE_OPS, fake_mode
+from ..core.spec import placements_str
+from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
 from ..planner.execute import execute_plan
-from .capture import BOUNDARY, info
+from ..rules import EMBEDDING
 
 aten = torch.ops.aten
 _SIZE_ARG_OPS = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
                  aten.expand.default: 1, aten.new_empty.default: 1, aten.new_zeros.default: 1,
                  aten.new_ones.default: 1, aten.new_full.default: 1}
-COLLECTIVE_OPS = {torch.ops._c10d_functional.all_gather_into_tensor.default,
-                  torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                  torch.ops._c10d_functional.all_reduce.default,
-                  torch.ops._c10d_functional.all_to_all_single.default}
 
 
 class PlaceholderGroups:
@@ -38,10 +37,6 @@ class PlaceholderGroups:
         if isinstance(key, int):
             return f"fxshard_mesh_dim_{key}"
         return "fxshard_mesh_dims_" + "_".join(map(str, key))
-
-
-def placeholder_group_names(ndim: int) -> PlaceholderGroups:
-    return PlaceholderGroups()
 
 
 def local_shape(spec) -> tuple[int, ...]:
@@ -58,7 +53,7 @@ class _LocalInterpreter(fx.Interpreter):
 
     def run_node(self, n):
         rec = info(n)
-        if rec.kind == "redistribute":
+        if rec.kind == NodeKind.REDISTRIBUTE:
             (x,) = self.map_nodes_to_values(n.args, n)
             return execute_plan(rec.plan, x, self.groups, self.coord)
         if n.op == "call_function" and n.target is BOUNDARY:
@@ -73,9 +68,10 @@ class _LocalInterpreter(fx.Interpreter):
                 # attention on shards) may return other strides, so let reshape copy when it must.
                 return aten.reshape.default(*args, **kwargs)
             return n.target(*args, **kwargs)
-        if n.op == "call_function" and rec.extra.get("vocab_dims"):
+        if n.target is EMBEDDING and rec.input_specs and rec.input_specs[0].levels[0]:
+            # the weight's rows (the vocabulary) are sharded: a masked local lookup, summed by the plan
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            return _vocab_parallel_embedding(args[0], args[1], info(n).input_specs[0], self.coord)
+            return _vocab_parallel_embedding(args[0], args[1], rec.input_specs[0], self.coord)
         if self.device is not None and n.op == "call_function" and "device" in n.kwargs and not n.all_input_nodes:
             # factories made where the program was captured (e.g. meta) run where it is compiled
             args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -98,18 +94,18 @@ def _vocab_parallel_embedding(weight, indices, wspec, coord):
     return out.masked_fill(mask.unsqueeze(-1), 0)
 
 
-def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, groups=None, device=None) -> fx.GraphModule:
+def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, device=None) -> fx.GraphModule:
     """The per-rank graph: inputs ``(coord, *local placeholders)``, outputs local shards.
 
     ``device``: where the graph will run (factory ops are moved there); default: where it was captured."""
-    groups = groups if groups is not None else placeholder_group_names(mesh_ndim)
+    groups = PlaceholderGroups()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     device = torch.device(device) if device is not None else None
 
     def run(coord, *args):
         return _LocalInterpreter(gm, groups, coord, device).run(*args)
 
-    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    fm = fake_mode(allow_non_fake_inputs=True)
     with fm:
         fakes = [torch.zeros(mesh_ndim, dtype=torch.long, device=device)]
         for p in placeholders:
@@ -122,9 +118,40 @@ def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, groups=None, device=None)
     names = ["mesh_coord"] + [p.name for p in placeholders]
     for node, name in zip([n for n in local.graph.nodes if n.op == "placeholder"], names):
         node.name = node.target = name
+    _record_collectives(local, gm)
     local.graph.lint()
     local.recompile()
     return local
+
+
+def planned_collectives(gm: fx.GraphModule) -> list[Collective]:
+    """Every collective step of every redistribution of the annotated global graph, in graph order
+    (the order lowering emits them)."""
+    out = []
+    backward = backward_nodes(gm.graph)
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if rec.kind != NodeKind.REDISTRIBUTE:
+            continue
+        where = f"{rec.module}: " if rec.module else ""
+        for step, nbytes in rec.plan.collective_bytes():
+            out.append(Collective(step.collective, step.mesh_dims, nbytes, step.cost, n.name,
+                                  f"{where}{rec.provenance}",
+                                  f"{placements_str((step.src,))}->{placements_str((step.dst,))}",
+                                  "backward" if n in backward else "forward"))
+    return out
+
+
+def _record_collectives(local: fx.GraphModule, gm: fx.GraphModule) -> None:
+    """Each collective of the per-rank graph carries its planned step: lowering emits them in the
+    global graph's order, one functional collective per collective step."""
+    planned = planned_collectives(gm)
+    nodes = collective_nodes(local)
+    if len(nodes) != len(planned):  # pragma: no cover - would be a lowering bug
+        raise AssertionError(f"fxshard.lower: {len(nodes)} collectives in the per-rank graph for {len(planned)} "
+                             f"planned")
+    for n, c in zip(nodes, planned):
+        info(n).carries = (c,)
 
 
 def bind_groups(local: fx.GraphModule, groups) -> fx.GraphModule:

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..cost import CostModel
+from ..core.cost import CostModel
+from ..ir import NodeKind, flat_outputs, info, redistribute, tensor_args
 from ..planner import plan_between
-from .annotate import tensor_args
-from .capture import info
-
-
-def redistribute(x):
-    """The identity on global values; at lowering it becomes the plan's collectives."""
-    return x
 
 
 def _same(a, b) -> bool:
@@ -31,12 +25,10 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
     cache: dict[tuple, fx.Node] = {}
     for node in list(gm.graph.nodes):
         rec = info(node)
-        if node.op == "placeholder" or rec.kind == "redistribute":
+        if node.op == "placeholder" or rec.kind == NodeKind.REDISTRIBUTE:
             continue
         if node.op == "output":
-            outs = node.args[0]
-            flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            args = flat  # aligned with input_specs (None for outputs that are not values)
+            args = flat_outputs(node)  # aligned with input_specs (None for outputs that are not values)
         else:
             args = tensor_args(node)
         for arg, want in zip(args, rec.input_specs):
@@ -48,7 +40,7 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
             key = (arg, want.placements, want.levels)
             if key not in cache:
                 src, src_spec = arg, have
-                hub = info(arg).extra.get("hub")  # plan="auto": the one placement this value is moved to
+                hub = info(arg).hub  # plan="auto": the one placement this value is moved to
                 if hub is not None and not _same(hub, want) and not _same(hub, have) and \
                         plan_between(hub, want, cost_model, even_only=True, fuse=fuse).cost < \
                         plan_between(have, want, cost_model, even_only=True, fuse=fuse).cost:
@@ -73,7 +65,7 @@ def _insert(gm, node, arg, have, want, cost_model, fuse) -> fx.Node:
         r = gm.graph.call_function(redistribute, (arg,))
     r.meta["val"] = arg.meta.get("val")
     rr = info(r)
-    rr.kind = "redistribute"
+    rr.kind = NodeKind.REDISTRIBUTE
     rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
     rr.spec = want
     rr.input_specs = (have,)

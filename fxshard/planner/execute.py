@@ -21,12 +21,12 @@ from functools import lru_cache
 
 import torch
 
-from ..adapter import per_rank
-from ..spec import level_positions, local_extent
-from . import RedistributePlan
-from .search import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD
+from .._torch import c10d, flattened_group_name, per_rank
+from ..core.spec import level_positions, levels_divide, local_extent
+from .plan import RedistributePlan
+from .problem import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD
 
-_F = torch.ops._c10d_functional
+_F = c10d
 
 
 class MeshGroups:
@@ -43,8 +43,7 @@ class MeshGroups:
         names = dm.mesh_dim_names
         if names is None:
             raise ValueError("a fused collective over several mesh dims needs a DeviceMesh with mesh_dim_names")
-        sub = dm[tuple(names[m] for m in key)]
-        return sub._flatten().get_group(0).group_name
+        return flattened_group_name(dm, [names[m] for m in key])
 
     def __len__(self):
         return self.device_mesh.ndim
@@ -155,15 +154,11 @@ def _check_traceable(plan: RedistributePlan):
     mesh = plan.src.mesh
     for levels in plan.levels:
         for n, lv in zip(plan.src.shape, levels):
-            e = n
-            for m, sf in lv:
-                pos = level_positions(e, mesh.shape[m], sf)
-                if len({len(p) for p in pos}) != 1:
-                    raise ValueError(
-                        f"cannot trace a rank-agnostic redistribution {plan.src} -> {plan.dst} of shape "
-                        f"{plan.src.shape}: shards are uneven, so local shapes differ by rank; run it "
-                        f"eagerly (per-rank shapes) or pad the tensor to a multiple of the mesh size")
-                e = len(pos[0])
+            if not levels_divide(n, lv, mesh.shape):
+                raise ValueError(
+                    f"cannot trace a rank-agnostic redistribution {plan.src} -> {plan.dst} of shape "
+                    f"{plan.src.shape}: shards are uneven, so local shapes differ by rank; run it "
+                    f"eagerly (per-rank shapes) or pad the tensor to a multiple of the mesh size")
 
 
 # ---- rank-dependent selection --------------------------------------------------------------------

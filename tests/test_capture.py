@@ -1,5 +1,6 @@
-"""capture(reuse_layers=True): each repeated layer traced once, copies stitched in.  The result
-must be the very graph a plain trace gives (node for node) and compute the same values."""
+"""The capture stage: planned module boundaries marked, repeated layers found once for every stage
+that uses them, and (reuse_layers) traced once and stitched: the result must be the very graph a
+plain trace gives, node for node, and compute the same values."""
 
 import logging
 
@@ -9,8 +10,8 @@ import torch.nn as nn
 
 import fxshard
 from fxshard import zoo
-from fxshard.passes import stitch
-from fxshard.passes.capture import GRAD_TAG, capture_joint, info
+from fxshard.capture import alike_layers, capture_joint
+from fxshard.ir import GRAD_TAG, info
 
 
 def _tiny(n_layers=4):
@@ -62,7 +63,7 @@ def test_reuse_layers_gives_the_plain_trace_node_for_node(caplog):
 def test_a_layer_with_its_own_state_is_traced_inline(caplog):
     m, x = _tiny()
     m.layers[2].attention.window = 4  # an attribute the others lack: layer 2 is not like them
-    groups = stitch.repeated_layers(m)
+    groups = alike_layers(m)
     assert [[f for f, _ in g] for g in groups] == [["layers.0", "layers.1", "layers.3"]]
     with caplog.at_level(logging.INFO, logger="fxshard.stitch"):
         stitched = capture_joint(m, [x], reuse_layers=True)
@@ -282,13 +283,13 @@ def test_layers_in_two_containers_and_the_model_left_as_it_was():
 def test_a_layer_with_a_forward_of_its_own_is_not_reused():
     m, _ = _tiny()
     m.layers[1].forward = lambda x, cos, sin: x  # an instance forward: the class's is not what runs
-    assert [[f for f, _ in g] for g in stitch.repeated_layers(m)] == [["layers.0", "layers.2", "layers.3"]]
+    assert [[f for f, _ in g] for g in alike_layers(m)] == [["layers.0", "layers.2", "layers.3"]]
 
 
 def test_plan_markers_inside_layers_are_renamed_per_copy(caplog):
     """A Megatron plan marks modules inside every layer; the copies carry their own layer's tags."""
-    from fxshard.mesh import MeshSpec
-    from fxshard.plans import resolve_plan
+    from fxshard.core.mesh import MeshSpec
+    from fxshard.placement.constraints import resolve_plan
 
     m, x = _tiny()
     hooked = resolve_plan(zoo.megatron_tp_plan(), m, MeshSpec((2,)), None).hooked
@@ -310,3 +311,38 @@ def test_layers_sharing_a_submodule_fall_back_with_their_markers_intact():
     hooked = {f"layers.{i}.feed_forward.w2": (1, 1) for i in range(3)} | {"layers.0.attention.wo": (1, 1)}
     fell_back, same, _ = _compare(m, [x], hooked)
     assert fell_back and same
+
+
+def test_layer_groups_in_lists_dicts_and_nested_containers():
+    """One finder for every stage: siblings of one class and parameter shapes in a ModuleList, a
+    ModuleDict (torchtitan), or nested one level down (HF's model.model.layers); odd ones out stay
+    out, and groups inside a repeated layer are shared through the outer one."""
+    from fxshard.capture import layer_groups
+
+    def block(d=8):
+        return nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+
+    class HF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([block() for _ in range(3)] + [block(4)])
+            self.lm_head = nn.Linear(8, 8)
+
+    class Titan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): block() for i in range(4)})
+
+    assert [[f for f, _ in g] for g in layer_groups(HF())] == [["model.layers.0", "model.layers.1", "model.layers.2"]]
+    assert [[f for f, _ in g] for g in layer_groups(Titan())] == [[f"layers.{i}" for i in range(4)]]
+    assert layer_groups(nn.Linear(2, 2)) == [] and layer_groups(None) == []
+
+
+def test_plan_boundaries_are_marked_with_their_tags():
+    m = zoo.init_weights(zoo.Llama(zoo.LlamaConfig(n_layers=1)))
+    (x,) = zoo.example_input(m)
+    c = fxshard.capture(m, (x,), mesh=fxshard.MeshSpec((2,)), plan=zoo.megatron_tp_plan())
+    tags = {info(n).tag for n in c.gm.graph.nodes if info(n).kind == "boundary"}
+    assert {"layers.0.attention.wq:in:0", "layers.0.attention.wq:out:0", "layers.0.attention.wo:out:0"} <= tags
+    assert all(info(n).module for n in c.gm.graph.nodes if info(n).kind == "boundary")

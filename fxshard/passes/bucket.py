@@ -1,14 +1,14 @@
-"""fuse: fewer collective launches.
+"""bucket: fewer collective launches in the per-rank graph.
 
-Fusion over flattened meshes happens in the planner (``fuse=True``: one collective over several mesh
-dims when that is cheaper).  This module does the graph-level half: **bucketing** independent
-collectives of one kind, process group, reduce op and dtype in the per-rank graph into one
-collective on a flat concatenated buffer, split afterwards (DDP-style, capped at ``cap_bytes``).
+Independent collectives of one kind, process group, reduce op and dtype become one collective on a
+flat concatenated buffer, split afterwards (DDP-style, capped at ``cap_bytes``).  (One collective
+over several mesh dims is the planner's business: ``multi_dim_collectives``.)
 
-A bucket is only formed where it changes no dependency: the fused collective runs after the last of
-its inputs is produced and before the first use of any of its outputs, so a collective whose input
-depends on another's output never joins that one's bucket.  The fused node records which collectives
-it replaced in ``node.meta["fxshard_bucket"]``.
+A bucket is only formed where it changes no dependency: the merged collective runs after the last
+of its inputs is produced and before the first use of any of its outputs, so a collective whose
+input depends on another's output never joins that one's bucket; a forward collective never shares
+a bucket with a backward one.  The merged node carries the planned collectives of the ones it
+replaced (``info(node).carries``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import math
 import torch
 import torch.fx as fx
 
-_F = torch.ops._c10d_functional
-DEFAULT_CAP_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+from .._torch import c10d
+from ..core.config import DEFAULT_BUCKET_BYTES
+from ..ir import info
+
+_F = c10d
+DEFAULT_CAP_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def _collective_key(node: fx.Node):
@@ -39,25 +43,21 @@ def _wait_of(node: fx.Node):
     return None
 
 
-def _depends_on_tangents(gm: fx.GraphModule) -> set:
-    out: set = set()
-    for n in gm.graph.nodes:
-        if (n.op == "placeholder" and "tangents" in str(n.target)) or any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
+def _phase(node: fx.Node) -> str:
+    carries = info(node).carries
+    return carries[0].phase if carries else "forward"
 
 
 def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -> int:
     """Bucket independent all-reduces / all-gathers; returns how many collectives were removed."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    # joint graphs: a forward collective never shares a bucket with a backward one (the partitioner
-    # must be able to split them, and a forward value must not wait on a gradient)
-    backward = _depends_on_tangents(gm)
     items = []
     for n in gm.graph.nodes:
         key = _collective_key(n)
         if key is not None:
-            key = (*key, n in backward)
+            # joint graphs: a forward collective never shares a bucket with a backward one (the
+            # partitioner must be able to split them, and a forward value must not wait on a gradient)
+            key = (*key, _phase(n))
         wait = _wait_of(n) if key else None
         if key is None or wait is None or not isinstance(n.args[0], fx.Node):
             continue
@@ -107,7 +107,7 @@ def _rewrite(gm, bucket, order):
         coll = emit(_F.all_reduce.default, (cat, key[1], key[2]))
     else:
         coll = emit(_F.all_gather_into_tensor.default, (cat, key[1], key[2]))
-    coll.meta["fxshard_bucket"] = [it[1].name for it in bucket]
+    info(coll).carries = tuple(c for it in bucket for c in info(it[1]).carries)
     wait = emit(_F.wait_tensor.default, (coll,))
     sizes = [x.meta["val"].numel() for x in inputs]
     total = sum(sizes)

@@ -1,12 +1,16 @@
-"""The one place fxshard touches private torch APIs.
+"""Every private torch API fxshard uses, behind names of ours.
 
-Everything private that fxshard depends on is imported or wrapped here, so a torch upgrade breaks
-one file.  Public torch API (``torch.distributed.tensor.Shard`` and friends, functional collective
-ops) is used directly elsewhere.
+A torch upgrade that moves or renames something private breaks this file (and ``fxshard/rules/``,
+the adapter to DTensor's op rules), nowhere else; ``tests/test_structure.py`` enforces it.  Public
+torch API (``torch.distributed.tensor.Shard`` and friends, ``torch.export``, ``make_fx``) is used
+directly elsewhere.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.fx as fx
+import torch.utils._pytree as _pytree
 from torch.distributed.tensor.placement_types import (  # noqa: F401  (re-exported)
     Partial,
     Placement,
@@ -16,6 +20,11 @@ from torch.distributed.tensor.placement_types import (  # noqa: F401  (re-export
 )
 
 StridedShard = _StridedShard
+
+# pytree (torch has no public module for it)
+tree_map = _pytree.tree_map
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
 
 
 _KINDS = {Shard: "S", Replicate: "R", Partial: "P", _StridedShard: "SS"}
@@ -333,3 +342,64 @@ def flop_count(node) -> float:
         return float(fn(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # a formula that does not accept these arguments: count none
         return 0.0
+
+
+# ---- fake tensors, graphs, modules -----------------------------------------------------------------
+
+def fake_mode(allow_non_fake_inputs: bool = True):
+    """A new ``FakeTensorMode``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
+
+
+def fake_mode_of(values) -> object | None:
+    """The fake mode ``values`` (a sequence) are fake tensors of, if any (dynamo's, in a backend)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(tuple(values))
+
+
+def is_fake_of(mode, value) -> bool:
+    """``value`` is a fake tensor of ``mode``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor) and value.fake_mode is mode
+
+
+def use_flat_codegen(gm: fx.GraphModule) -> None:
+    """Make ``gm`` take and return flat arguments (AOT's pytree codegen groups them)."""
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter (moves on every in-place update)."""
+    return t._version
+
+
+def module_tensor_slots(module: torch.nn.Module) -> tuple[dict, dict]:
+    """(parameters, buffers) registered directly on ``module``, None entries included."""
+    return module._parameters, module._buffers
+
+
+def set_module_tensor(module: torch.nn.Module, name: str, value, *, parameter: bool) -> None:
+    """Put ``value`` in ``module``'s parameter or buffer slot ``name`` as it is (no Parameter
+    wrapping or checks, unlike ``setattr``)."""
+    (module._parameters if parameter else module._buffers)[name] = value
+
+
+def is_op_overload(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload)
+
+
+# ---- functional collectives ------------------------------------------------------------------------
+
+c10d = torch.ops._c10d_functional  # the functional collective ops (traceable, Inductor lowers them)
+COLLECTIVE_OPS = frozenset({c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                            c10d.all_reduce.default, c10d.all_to_all_single.default})
+
+
+def flattened_group_name(device_mesh, mesh_dim_names) -> str:
+    """The process group of the flattened sub-mesh over ``mesh_dim_names`` (created once per mesh)."""
+    return device_mesh[tuple(mesh_dim_names)]._flatten().get_group(0).group_name

@@ -32,8 +32,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from .adapter import StridedShard
-from .mesh import MeshSpec
+from .._torch import StridedShard
+from ..capture.layers import layer_groups
+from ..core.mesh import MeshSpec
 
 
 @dataclass
@@ -47,9 +48,6 @@ class PlanConstraints:
     hooked: dict[str, tuple[int, int]] = field(default_factory=dict)  # module fqn -> (#inputs, #outputs) to mark
     auto: bool = False  # plan="auto": every placement not fixed here is chosen by the global solver
     blocks: list[list[str]] = field(default_factory=list)  # repeated layers (auto shares their decisions)
-
-    def tags(self):
-        return set(self.boundaries) | set(self.input_hints)
 
 
 HF_STYLES = {
@@ -101,9 +99,7 @@ def resolve_plan(plan: dict | None, model: nn.Module | None, mesh: MeshSpec, tp_
         if rest and out.dim is None:
             out.dim = plan_dim(mesh, tp_dim)
         out.auto = True
-        from .passes.auto import repeated_blocks
-
-        out.blocks = repeated_blocks(model)
+        out.blocks = [[fqn for fqn, _ in g] for g in layer_groups(model)]
         for group in out.blocks:
             for fqn in group:  # mark every layer's inputs and output: its nodes are what lies between
                 a, b = out.hooked.get(fqn, (0, 0))

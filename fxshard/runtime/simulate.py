@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .adapter import Partial, local_tensor_mode, local_tensor_values, make_local_tensor
-from .mesh import MeshSpec
-from .spec import ShardingSpec
+from .._torch import Partial, Replicate, local_tensor_mode, local_tensor_values, make_local_tensor
+from ..core.mesh import MeshSpec
+from ..core.spec import ShardingSpec
 
 
 class ReplicaMismatch(AssertionError):
@@ -84,7 +84,7 @@ class SimulatedMesh:
                     j = 0
                     for m in pdims:
                         j = j * self.shape[m] + c[m]
-                    unsharded = ShardingSpec.make(self.spec, [p if not isinstance(p, Partial) else _R()
+                    unsharded = ShardingSpec.make(self.spec, [p if not isinstance(p, Partial) else Replicate()
                                                               for p in spec.placements],
                                                   spec.shape, spec.dtype, spec.shard_order)
                     locals_[r] = unsharded.shard_full(parts[j], c)
@@ -97,12 +97,6 @@ class SimulatedMesh:
         vals = local_tensor_values(local, self.world)
         with self._mode.disable():
             return assemble(vals, spec, self.coords, check_replicas=check_replicas)
-
-
-def _R():
-    from .adapter import Replicate
-
-    return Replicate()
 
 
 def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=True) -> torch.Tensor:

@@ -2,42 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-from .cost import CostModel
-from .mesh import MeshSpec
-from .passes.capture import BUFFER, CONSTANT, INPUT, PARAM, TANGENT, Captured, info
-from .passes.lower import bind_groups, lower_to_local
-from .spec import placements_str
-
-
-@dataclass(frozen=True)
-class Collective:
-    kind: str  # all_gather / reduce_scatter / all_reduce / all_to_all
-    mesh_dims: tuple[int, ...]
-    bytes: int  # per rank, the collective's local input
-    cost: float  # modelled µs
-    node: str  # the redistribute node
-    provenance: str  # why it is there: the consumer and its module / plan entry
-    transition: str  # e.g. "S(1)R -> S(1)P" on the mesh dims moved
-    phase: str = "forward"  # "backward" for collectives that depend on an incoming gradient (training)
+from .. import report
+from .._torch import coordinate_tensor, tree_unflatten
+from ..capture import Captured
+from ..ir import STATE_KINDS, Collective, NodeKind, Role, info, output_roles
+from ..passes.bucket import bucket_collectives
+from ..passes.lower import bind_groups, collective_nodes, lower_to_local, planned_collectives
+from ..placement.problem import modelled_cost
+from ..planner.execute import group_names
+from .simulate import SimulatedMesh
 
 
 class ShardedProgram:
-    def __init__(self, gm: fx.GraphModule, captured: Captured, mesh: MeshSpec, cost_model: CostModel,
-                 warnings: list[str], device_mesh=None, after_lower=()):
-        self.graph = gm
+    """A sharded program: the annotated global graph (``global_graph``, with its redistribute
+    nodes), the per-rank graph it lowers to (``local_graph``: local ops and functional collectives,
+    bucketed), and the ways to look at and run it (``explain``, ``collectives``, ``simulate``,
+    ``compile``)."""
+
+    def __init__(self, captured: Captured, *, after_lower: Sequence[Callable] = (),
+                 after_bucket: Sequence[Callable] = ()):
         self.captured = captured
-        self.mesh = mesh
-        self.cost_model = cost_model
-        self.warnings = warnings
-        self.device_mesh = device_mesh
-        self._local: dict = {}  # device (None: where captured) -> per-rank graph
+        self.config = captured.config
+        self.global_graph = captured.gm
+        self.mesh = captured.config.mesh
+        self.cost_model = captured.config.cost_model
+        self.device_mesh = captured.config.device_mesh
+        self.warnings = captured.warnings
         self.after_lower = tuple(after_lower)
-        self.bucketed = 0  # collectives removed by bucketing in the per-rank graph
+        self.after_bucket = tuple(after_bucket)
+        self._local: dict = {}  # device (None: where captured) -> per-rank graph
+        self.bucketed = 0  # collectives merged into others by bucketing in the per-rank graph
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        """Deprecated name of ``global_graph`` (a GraphModule, like ``local_graph``)."""
+        warnings.warn("ShardedProgram.graph is deprecated: use global_graph (the GraphModule)", DeprecationWarning,
+                      stacklevel=2)
+        return self.global_graph
 
     # ---- views ----------------------------------------------------------------------------------
     @property
@@ -46,95 +53,89 @@ class ShardedProgram:
         return self.local_graph_on(None)
 
     def local_graph_on(self, device) -> fx.GraphModule:
-        """The per-rank graph with its factory ops on ``device`` (None: where the program was captured)."""
+        """The per-rank graph with its factory ops on ``device`` (None: where the program was
+        captured).  Built on first use: lowered, then ``after_lower`` passes, bucketed (up to the
+        config's ``bucket_bytes``), then ``after_bucket`` passes."""
         key = None if device is None else str(device)
         if key not in self._local:
-            local = lower_to_local(self.graph, self.mesh.ndim, device=device)
-            cap = getattr(self.captured, "bucket_bytes", 0)
-            if cap:
-                from .passes.fuse import bucket_collectives
-
-                self.bucketed = bucket_collectives(local, cap)
-            for fn in self.after_lower:
-                fn(local, self)
-                local.graph.lint()
-                local.recompile()
+            local = lower_to_local(self.global_graph, self.mesh.ndim, device=device)
+            self._run(self.after_lower, local)
+            if self.config.bucket_bytes:
+                self.bucketed = bucket_collectives(local, self.config.bucket_bytes)
+            self._run(self.after_bucket, local)
             self._local[key] = local
         return self._local[key]
 
+    def _run(self, passes, local: fx.GraphModule) -> None:
+        for fn in passes:
+            fn(local, self)
+            local.graph.lint()
+            local.recompile()
+
     @property
     def placeholders(self) -> list[fx.Node]:
-        return [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+        return [n for n in self.global_graph.graph.nodes if n.op == "placeholder"]
 
     @property
     def output_specs(self) -> tuple:
         """The ShardingSpec of every output (what the per-rank program returns a shard of)."""
-        return tuple(info(next(n for n in self.graph.graph.nodes if n.op == "output")).input_specs)
+        return tuple(info(self._output_node()).input_specs)
+
+    def _output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.global_graph.graph.nodes) if n.op == "output")
 
     def redistribute_nodes(self) -> list[fx.Node]:
-        return [n for n in self.graph.graph.nodes if info(n).kind == "redistribute"]
+        return [n for n in self.global_graph.graph.nodes if info(n).kind == NodeKind.REDISTRIBUTE]
 
-    def backward_nodes(self) -> set:
-        """Nodes that depend on an incoming gradient (empty for forward-only programs)."""
-        seen = set()
-        for p in self.placeholders:
-            if info(p).kind == TANGENT:
-                stack = [p]
-                while stack:
-                    n = stack.pop()
-                    for u in n.users:
-                        if u not in seen:
-                            seen.add(u)
-                            stack.append(u)
-        return seen
+    def planned_collectives(self) -> list[Collective]:
+        """Every collective step the redistributions plan, in graph order (before bucketing)."""
+        return planned_collectives(self.global_graph)
 
     def collectives(self) -> list[Collective]:
+        """What the per-rank graph runs, in order: one entry per collective node, listing the planned
+        collectives it ``carries`` (several where bucketing merged them; their bytes add up, its
+        cost is one collective of that size)."""
         out = []
-        backward = self.backward_nodes() if self.training else set()
-        for n in self.redistribute_nodes():
-            rec = info(n)
-            plan = rec.plan
-            for step, nbytes in plan.collective_bytes():
-                where = f"{rec.module}: " if rec.module else ""
-                out.append(Collective(step.collective, step.mesh_dims, nbytes, step.cost, n.name,
-                                      f"{where}{rec.provenance}",
-                                      f"{placements_str((step.src,))}->{placements_str((step.dst,))}",
-                                      "backward" if n in backward else "forward"))
+        for n in collective_nodes(self.local_graph):
+            planned = info(n).carries
+            if len(planned) == 1:
+                out.append(Collective(*_fields(planned[0]), carries=planned))
+                continue
+            first = planned[0]
+            nbytes = sum(c.bytes for c in planned)
+            cost = float(self.cost_model.collective(first.kind, first.mesh_dims, nbytes))
+            out.append(Collective(first.kind, first.mesh_dims, nbytes, cost, n.name,
+                                  f"bucket of {len(planned)}: " + "; ".join(c.node for c in planned),
+                                  first.transition, first.phase, planned))
         return out
 
     def modelled_cost(self) -> dict:
         """Modelled µs per step under the cost model: ``comm_us`` (every redistribution's plan),
         ``compute_us`` (every op on its local shards), ``total_us``; ``state_bytes``: parameters and
         buffers per rank.  The objective ``plan="auto"`` minimises, for any program."""
-        from .passes.auto import modelled_cost
-
-        return modelled_cost(self.graph, self.cost_model)
+        return modelled_cost(self.global_graph, self.cost_model)
 
     def explain(self, verbose: bool = False, format: str = "text") -> str:
         """The plan as a table (``format="json"`` / ``"html"`` for tools and browsers)."""
-        from .report import explain
-
-        return explain(self, verbose=verbose, format=format)
+        return report.explain(self, verbose=verbose, format=format)
 
     # ---- running ----------------------------------------------------------------------------------
-    def placeholder_values(self, inputs, grad_outputs=None) -> list:
+    def placeholder_values(self, inputs: Sequence, grad_outputs=None) -> list:
         """The global value of every placeholder: state, inputs and (training) incoming gradients."""
         vals = []
-        for p in self.graph.graph.nodes:
-            if p.op != "placeholder":
-                continue
+        for p in self.placeholders:
             rec = info(p)
-            if rec.kind in (PARAM, BUFFER, CONSTANT):
+            if rec.kind in STATE_KINDS:
                 vals.append(self.captured.state[rec.fqn])
-            elif rec.kind == TANGENT:
-                vals.append(self.grad_output(rec.input_index, p.meta["val"], grad_outputs))
+            elif rec.kind == NodeKind.TANGENT:
+                vals.append(self.grad_output(rec.output_index, p.meta["val"], grad_outputs))
             else:
-                assert rec.kind == INPUT
+                assert rec.kind == NodeKind.INPUT
                 vals.append(inputs[rec.input_index])
         return vals
 
     @staticmethod
-    def grad_output(i: int, val, grad_outputs):
+    def grad_output(i: int, val, grad_outputs) -> torch.Tensor:
         if grad_outputs is not None:
             g = grad_outputs[i] if isinstance(grad_outputs, (tuple, list)) else grad_outputs
             if tuple(g.shape) != tuple(val.shape):
@@ -146,13 +147,11 @@ class ShardedProgram:
 
     @property
     def training(self) -> bool:
-        return bool(getattr(self.captured, "training", False))
+        return self.captured.training
 
-    def output_roles(self) -> list[tuple]:
+    def output_roles(self) -> list[Role]:
         """What each flat output is: ("output", i), ("grad_param", fqn) or ("grad_input", i)."""
-        out = next(n for n in self.graph.graph.nodes if n.op == "output")
-        return [tuple(r) for r in info(out).extra.get("outputs") or
-                [("output", i) for i in range(len(self.output_specs))]]
+        return output_roles(self._output_node())
 
     def simulate(self, *inputs, grad_outputs=None):
         """Run every rank in one process (exact collectives); returns the global outputs.
@@ -176,18 +175,14 @@ class ShardedProgram:
                 grads[role[1]] = value
             elif role[0] == "grad_input":
                 grads[f"input:{role[1]}"] = value
-        spec = getattr(self.captured, "out_spec", None)
+        spec = self.captured.out_spec
         if spec is not None and spec.num_leaves == len(outs):
-            return torch.utils._pytree.tree_unflatten(outs, spec), grads
+            return tree_unflatten(outs, spec), grads
         structure = outs if len(outs) != 1 else outs[0]
         return (tuple(structure) if isinstance(structure, list) else structure), grads
 
-    def simulate_placeholders(self, values) -> list:
+    def simulate_placeholders(self, values: Sequence) -> list:
         """Simulate on the global value of every placeholder (parameters included); flat outputs."""
-        from .adapter import coordinate_tensor
-        from .planner.execute import group_names
-        from .simulate import SimulatedMesh
-
         unbound = self.local_graph  # lower outside the simulation (tracing must not see LocalTensorMode)
         with SimulatedMesh(self.mesh.shape, self.mesh.names) as sim:
             local = bind_groups(unbound, group_names(sim.device_mesh))
@@ -198,10 +193,10 @@ class ShardedProgram:
 
     def restructure(self, flat: list):
         """Flat (forward) outputs in the structure the model returns (its pytree: dicts, tuples...)."""
-        spec = getattr(self.captured, "out_spec", None)
+        spec = self.captured.out_spec
         if spec is not None and spec.num_leaves == len(flat):
-            return torch.utils._pytree.tree_unflatten(list(flat), spec)
-        structure = next(n for n in self.graph.graph.nodes if n.op == "output").args[0]
+            return tree_unflatten(list(flat), spec)
+        structure = self._output_node().args[0]
         if isinstance(structure, (tuple, list)):
             return type(structure)(flat) if len(flat) > 1 else flat[0]
         return flat[0]
@@ -214,7 +209,7 @@ class ShardedProgram:
         rank slices its shard locally: no communication) and returns this rank's shard of every
         output (``.output_specs``); replicated outputs are the global values.  Parameters are sliced
         to local shards once, here."""
-        from .backend import CompiledProgram, CompiledTraining
+        from .compiled import CompiledProgram, CompiledTraining
 
         dm = device_mesh if device_mesh is not None else self.device_mesh
         if dm is None:
@@ -224,7 +219,11 @@ class ShardedProgram:
         return CompiledProgram(self, dm, inductor=inductor)
 
     def __repr__(self) -> str:
-        kinds = {}
-        for c in self.collectives():
+        kinds: dict[str, int] = {}
+        for c in self.planned_collectives():
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         return f"ShardedProgram(mesh={self.mesh.shape}, collectives={kinds})"
+
+
+def _fields(c: Collective) -> tuple:
+    return (c.kind, c.mesh_dims, c.bytes, c.cost, c.node, c.provenance, c.transition, c.phase)

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .cost import CostModel
-from .mesh import MeshSpec
+from ..core.cost import CostModel
+from ..core.mesh import MeshSpec
 
 _GIB = float(1 << 30)
 

@@ -33,6 +33,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .._torch import describe, export_joint, is_fake_of, tree_flatten
+from ..ir import BOUNDARY
+from .layers import alike_layers, tensor_key
+from .markers import Markers
+
 log = logging.getLogger("fxshard.stitch")
 
 _LAYERS: dict[str, _LayerTrace] = {}  # key -> traced layer, for the opaque ops' fake kernels
@@ -45,8 +50,7 @@ class Unsupported(Exception):
 @dataclass
 class _LayerTrace:
     key: str
-    template: nn.Module  # the layer whose code was traced (its FQN: ``fqn``)
-    fqn: str
+    fqn: str  # the layer whose code was traced
     state_names: list[str]  # parameters then buffers, as passed to the opaque op
     out_meta: list[tuple]  # (shape, stride, dtype, device) per forward output
     single: bool  # the layer returns one tensor (else a flat tuple of tensors)
@@ -113,74 +117,6 @@ LAYER_FWD = torch.ops.fxshard.layer_fwd.default
 LAYER_BWD = torch.ops.fxshard.layer_bwd.default
 
 
-# ---- which layers are alike ------------------------------------------------------------------------
-
-_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks", "_is_full_backward_hook"}
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _value_key(v):
-    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
-        return v
-    if isinstance(v, (tuple, list)):
-        return (type(v).__name__, tuple(_value_key(x) for x in v))
-    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-        return ("dict", tuple(sorted((k, _value_key(x)) for k, x in v.items())))
-    return ("object", id(v))  # anything else: alike only if it is the same object (a shared config)
-
-
-def _tensor_key(t):
-    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
-
-
-def state_signature(layer: nn.Module):
-    """Equal signatures: the layers compute the same function of their tensors (see module doc).
-    Hooks on the layer itself run outside the opaque op and are not part of it; hooks inside it
-    must be the very same functions."""
-    parts = []
-    for name, m in layer.named_modules():
-        attrs = []
-        for k, v in vars(m).items():
-            if k in _SKIP_ATTRS:
-                continue
-            if k in _HOOKS:
-                if name and v:  # fxshard's boundary markers by what they mark (their tags are rewritten)
-                    attrs.append((k, tuple(getattr(h, "fxshard_boundary", None) or id(h) for h in v.values())))
-                continue
-            attrs.append((k, _value_key(v)))
-        parts.append((name, type(m), m.training, tuple(sorted(attrs, key=lambda a: a[0])),
-                      tuple((n, _tensor_key(p)) for n, p in m._parameters.items()),
-                      tuple((n, _tensor_key(b)) for n, b in m._buffers.items())))
-    return tuple(parts)
-
-
-def repeated_layers(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
-    """Groups (>= 2) of equal-state children of a ModuleList / Sequential, outermost only."""
-    groups = []
-    for fqn, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            continue
-        by_sig: dict = {}
-        for name, child in mod.named_children():
-            if isinstance(child, nn.ModuleList) or "forward" in vars(child):
-                continue  # not callable (its own children may be layers); or a forward of its own
-            by_sig.setdefault(state_signature(child), []).append((f"{fqn}.{name}" if fqn else name, child))
-        groups += [g for g in by_sig.values() if len(g) > 1]
-    inner = {f for g in groups for f, _ in g}
-    out, seen = [], set()
-    for g in groups:
-        if any(f.startswith(o + ".") for f, _ in g for o in inner):
-            continue
-        g = [(f, m) for f, m in g if id(m) not in seen]  # a layer held by two containers (a slice)
-        seen.update(id(m) for _, m in g)
-        if len(g) > 1:
-            out.append(g)
-    return out
-
-
 # ---- capture ---------------------------------------------------------------------------------------
 
 class _Alone(nn.Module):
@@ -206,11 +142,11 @@ def _state(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joint):
+def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, markers: Markers):
     """Inside: ``model``'s repeated layers are opaque ops.  A first pass runs the model on the fake
     inputs to find every layer call signature and trace each once (outside any other trace); the
     context then yields a function that inlines the layers into a graph traced inside it."""
-    groups = repeated_layers(model)
+    groups = alike_layers(model)
     if not groups:
         raise Unsupported("no repeated layers (equal-state children of a ModuleList / Sequential)")
     for group in groups:
@@ -231,18 +167,16 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
     def signature(gi, fqn, args, kwargs):
         if kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args):
             raise Unsupported(f"{fqn} is called with keyword or non-tensor arguments")
-        return gi, tuple(_tensor_key(a) + (a.device,) for a in args)
+        return gi, tuple(tensor_key(a) + (a.device,) for a in args)
 
     def make_probe(gi, fqn, layer):
         def probe(*args, **kwargs):
             sig = signature(gi, fqn, args, kwargs)
             lt = traces.get(sig)
             if lt is None:
-                from .capture import boundary_marking
-
-                with boundary_marking(True):  # markers inside the layer belong in its graph
+                with markers.marking(True):  # markers inside the layer belong in its graph
                     lt = traces[sig] = _trace_layer(f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode,
-                                                    decompositions, export_joint)
+                                                    decompositions)
             outs = [torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(d)
                     for (s, st, dt, dev), d in zip(lt.out_meta, lt.diff)]
             return outs[0] if lt.single else tuple(outs)
@@ -263,9 +197,7 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             for fqn, layer in group:
                 patched.append((layer, "forward" in vars(layer), vars(layer).get("forward")))
                 layer.forward = make_probe(gi, fqn, layer)
-        from .capture import boundary_marking
-
-        with fake_mode, boundary_marking(False):  # the layers' own traces mark (see probe)
+        with fake_mode, markers.marking(False):  # the layers' own traces mark (see probe)
             model(*fakes)
         for gi, group in enumerate(groups):
             for fqn, layer in group:
@@ -281,16 +213,12 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, export_joi
             _LAYERS.pop(lt.key, None)
 
 
-def _trace_layer(key, fqn, layer, args, fake_mode, decompositions, export_joint) -> _LayerTrace:
-    import torch.utils._pytree as pytree
-
-    from ..adapter import describe
-
-    fakes = [(a.detach() if _is_fake(a, fake_mode) else fake_mode.from_tensor(a.detach()))
+def _trace_layer(key, fqn, layer, args, fake_mode, decompositions) -> _LayerTrace:
+    fakes = [(a.detach() if is_fake_of(fake_mode, a) else fake_mode.from_tensor(a.detach()))
              .requires_grad_(a.requires_grad) for a in args]
     with fake_mode:  # which outputs autograd tracks, and that they are a flat tuple of tensors
         real = type(layer).forward(layer, *fakes)
-        leaves, spec = pytree.tree_flatten(real)
+        leaves, spec = tree_flatten(real)
         gm, out_spec = export_joint(_Alone(layer), fakes, decompositions)
     if not (spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))) or \
             not all(isinstance(x, torch.Tensor) for x in leaves):
@@ -332,7 +260,7 @@ def _trace_layer(key, fqn, layer, args, fake_mode, decompositions, export_joint)
             # input of its own: its gradient would be lost in the copy
             raise Unsupported(f"{fqn}: output {i} aliases an input or another output")
     consts = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    lt = _LayerTrace(key, layer, fqn, names, outs, spec.type is not tuple, grad_of, gm, diff, consts)
+    lt = _LayerTrace(key, fqn, names, outs, spec.type is not tuple, grad_of, gm, diff, consts)
     _LAYERS[key] = lt
     return lt
 
@@ -342,12 +270,6 @@ def _attr(gm, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _is_fake(t, mode) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor) and t.fake_mode is mode
 
 
 def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModule:
@@ -386,8 +308,6 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     """Copy ``lt.joint`` into ``graph``: forward nodes before ``f``, backward nodes before ``b``;
     the copy's ``seq_nr`` (which ties a backward op to its forward op) start at ``seq``, its
     gradient accumulations take ``last`` (as in a trace of the whole model)."""
-    from ..adapter import describe
-
     joint = lt.joint
     fqn = f.name
     state, inputs = list(f.args[1]), list(f.args[2])
@@ -445,15 +365,9 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
     return top
 
 
-def _boundary_op():
-    from .capture import BOUNDARY
-
-    return BOUNDARY
-
-
 def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts, tags) -> int:
     add = torch.ops.aten.add.Tensor
-    boundary = _boundary_op()
+    boundary = BOUNDARY
     with graph.inserting_before(where):
         for n in nodes:
             c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)

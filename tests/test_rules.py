@@ -7,15 +7,13 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard import strategies
+from fxshard import rules
 from tests.models import Llama, LlamaConfig, example_input
 
 
 def _candidates_both_ways(monkeypatch, op, args, kwargs, mesh, placements):
-    monkeypatch.setattr(strategies, "REFERENCE_EXPANSION", True)
-    ref = strategies.dtensor_candidates(op, args, kwargs, mesh, placements, drop_strided_shard=True)
-    monkeypatch.setattr(strategies, "REFERENCE_EXPANSION", False)
-    got = strategies.dtensor_candidates(op, args, kwargs, mesh, placements, drop_strided_shard=True)
+    ref = rules.dtensor_candidates(op, args, kwargs, mesh, placements, drop_strided_shard=True, reference=True)
+    got = rules.dtensor_candidates(op, args, kwargs, mesh, placements, drop_strided_shard=True)
     # compared by repr: DTensor's _MaskPartial equals only itself (a fresh mask buffer per rule call)
     return repr(ref), repr(got)
 
@@ -28,16 +26,16 @@ def test_expansion_equals_dtensor_on_a_training_graph(monkeypatch, mesh_shape):
     model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=48))
     c = fxshard.capture(model, example_input(model, batch=2, seq=6), mesh=fxshard.MeshSpec(mesh_shape),
                         training=True, reuse_layers=False)
-    mesh = strategies.rules_mesh(mesh_shape)
+    mesh = rules.rules_mesh(mesh_shape)
     M = len(mesh_shape)
     seen_ops, compared = set(), 0
     for node in c.gm.graph.nodes:
         op = node.target
-        if node.op != "call_function" or op not in strategies._SP.op_single_dim_strategy_funcs:
+        if node.op != "call_function" or not rules.has_single_dim_rule(op):
             continue
         val = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), val)
-        tensors = [x for x in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        tensors = [x for x in fxshard._torch.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         if not tensors or (op, tuple(t.ndim for t in tensors)) in seen_ops:
             continue
         seen_ops.add((op, tuple(t.ndim for t in tensors)))
@@ -55,7 +53,7 @@ def test_expansion_equals_dtensor_on_a_training_graph(monkeypatch, mesh_shape):
 def test_expansion_keeps_dtensors_filters(monkeypatch):
     """Uneven and too-small dims (a dim of 3 on 4 shards) and mixed partial kinds are dropped as
     DTensor drops them; an in-place op keeps self's placement."""
-    mesh = strategies.rules_mesh((2, 4))
+    mesh = rules.rules_mesh((2, 4))
     a, b = torch.empty(3, 8, device="meta"), torch.empty(8, 5, device="meta")
     cases = [(torch.ops.aten.mm.default, (a, b), {}),
              (torch.ops.aten.add.Tensor, (a, torch.empty(3, 8, device="meta")), {}),
@@ -65,3 +63,32 @@ def test_expansion_keeps_dtensors_filters(monkeypatch):
             placements = [plc, (Replicate(), Replicate())]
             ref, got = _candidates_both_ways(monkeypatch, op, args, kwargs, mesh, placements)
             assert got == ref, (op, plc)
+
+
+def test_register_rule_overrides_builtin_and_unregister_restores():
+    def f(x):
+        return torch.relu(x) * 3
+
+    x = torch.randn(8, 4)
+    kw = dict(example_inputs=(x,), input_placements=[(Shard(0),)], output_placements=[(Shard(0),)])
+    base = fxshard.shard(f, fxshard.MeshSpec((2,)), **kw)
+    assert not base.collectives()
+    # a (silly) rule that only lets relu run replicated: fxshard must now gather before it
+    fxshard.register_rule(torch.ops.aten.relu.default, [((Replicate(),), (Replicate(),))])
+    try:
+        prog = fxshard.shard(f, fxshard.MeshSpec((2,)), **kw)
+        assert [c.kind for c in prog.collectives()] == ["all_gather"]
+        torch.testing.assert_close(prog.simulate(x), f(x))
+    finally:
+        fxshard.unregister_rule(torch.ops.aten.relu.default)
+    assert not fxshard.shard(f, fxshard.MeshSpec((2,)), **kw).collectives()
+
+
+def test_bad_rule_is_rejected_when_registered():
+    with pytest.raises(ValueError, match="has 2 tensor inputs and 1 tensor outputs"):
+        fxshard.register_rule(torch.ops.aten.add.Tensor, [((Shard(0),), (Shard(0),))])
+    with pytest.raises(ValueError, match="is not a placement"):
+        fxshard.register_rule(torch.ops.aten.relu.default, [(("S0",), (Shard(0),))])
+    with pytest.raises(TypeError, match="expected a torch operator"):
+        fxshard.register_rule(lambda x: x, [])
+    assert not fxshard.rules.has_rule(torch.ops.aten.add.Tensor)

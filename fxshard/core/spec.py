@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from .adapter import Partial, Replicate, Shard, is_strided_shard, placement_kind, strided_split_factor
+from .._torch import Partial, Replicate, Shard, StridedShard, is_strided_shard, placement_kind, strided_split_factor
 from .mesh import MeshSpec
 
 Level = tuple[int, int]  # (mesh_dim, split_factor)
@@ -64,6 +64,23 @@ def local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coo
         else:
             n = chunk_bounds(n, mesh_shape[m])[coord[m]][1]
     return n
+
+
+def levels_divide(n: int, levels: Sequence[Level], mesh_shape: Sequence[int]) -> bool:
+    """Every level splits the extent it is applied to exactly (so every rank holds as many
+    elements: what one rank-agnostic per-rank graph needs).  The one evenness check."""
+    for m, sf in levels:
+        k = mesh_shape[m]
+        if n % (k * sf):
+            return False
+        n //= k
+    return True
+
+
+def is_even(spec: ShardingSpec) -> bool:
+    """Every tensor dim of ``spec`` is split exactly (``levels_divide``)."""
+    shape = spec.mesh.shape
+    return all(levels_divide(n, lv, shape) for n, lv in zip(spec.shape, spec.levels) if lv)
 
 
 def placement_str(p) -> str:
@@ -272,19 +289,6 @@ class ShardingSpec:
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
         return tuple(local_extent(n, lv, self.mesh.shape, coord) for n, lv in zip(self.shape, self.levels))
 
-    def local_offset(self, coord: Sequence[int]) -> tuple[int, ...]:
-        """Global offset of the local block (meaningful when no level is strided)."""
-        out = []
-        for n, lv in zip(self.shape, self.levels):
-            if any(sf != 1 for _, sf in lv):
-                raise ValueError(f"local_offset: tensor dim with strided levels {lv} has no single offset")
-            start = 0
-            for m, _ in lv:
-                s, n = chunk_bounds(n, self.mesh.shape[m])[coord[m]]
-                start += s
-            out.append(start)
-        return tuple(out)
-
     def local_indices(self, coord: Sequence[int], dim: int) -> list[int]:
         return local_indices(self.shape[dim], self.levels[dim], self.mesh.shape, coord)
 
@@ -399,8 +403,6 @@ def _coords(sizes):
 
 def levels_to_placements(levels: Levels, partial: dict[int, str], mesh_ndim: int) -> tuple:
     """Placements tuple for a planner state (levels + partial mesh dims)."""
-    from .adapter import StridedShard
-
     out: list = [Replicate()] * mesh_ndim
     for d, lv in enumerate(levels):
         for m, sf in lv:

@@ -94,11 +94,6 @@ class MeshSpec:
         overrides.setdefault("devices_per_host", _devices_per_host(device_mesh.device_type))
         return cls(tuple(device_mesh.mesh.shape), names, **overrides)
 
-    def with_costs(self, *, bandwidth=None, latency=None) -> MeshSpec:
-        return MeshSpec(self.shape, self.names, bandwidth=bandwidth or self.bandwidth,
-                        latency=latency if latency is not None else self.latency,
-                        devices_per_host=self.devices_per_host)
-
     def __repr__(self) -> str:
         names = f", names={self.names}" if self.names else ""
         return f"MeshSpec({self.shape}{names})"

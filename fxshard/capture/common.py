@@ -1,0 +1,154 @@
+"""What every capture path shares: the capture result, the decompositions, the node records.
+
+Every placeholder knows what it is (parameter / buffer / constant / user input / tangent) and its
+FQN; every op node keeps the module it came from (``nn_module_stack``), its source line and a
+fake-tensor ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .._torch import record_frames_of
+from ..ir import BOUNDARY, INPUT, TANGENT, NodeKind, info
+
+
+@dataclass
+class Captured:
+    """A captured program: the graph and the state it runs on, then what the stages decide.
+
+    Made once by ``fxshard.capture`` (graph, state, config, constraints); ``annotate`` and the
+    stages after it record their results here (``stage``, ``warnings``, ``auto``)."""
+
+    gm: fx.GraphModule
+    state: dict[str, torch.Tensor]  # parameters, buffers and constants by FQN (every alias of a tied one)
+    num_inputs: int
+    model: nn.Module | None
+    out_spec: object = None  # pytree spec of the model's outputs (None: a flat tuple or one value)
+    training: bool = False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
+    config: object = None  # ShardConfig: mesh, cost model, collective options (fxshard.capture sets it)
+    constraints: object = None  # PlanConstraints of the user's plan (fxshard.capture sets it)
+    stage: str = "captured"  # captured -> annotated -> redistributed
+    warnings: list[str] = field(default_factory=list)  # annotate's fallbacks
+    auto: object = None  # plan="auto": the solver's AutoReport
+
+    @property
+    def mesh(self):
+        """The mesh (``config.mesh``)."""
+        return self.config.mesh
+
+    @property
+    def cost_model(self):
+        """The cost model (``config.cost_model``)."""
+        return self.config.cost_model
+
+
+class FnModule(nn.Module):
+    """A plain callable as a module (what export and AOT trace)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        record_frames_of(fn)
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def decomposition_table() -> dict:
+    """torch.export's default decompositions but scaled-dot-product attention (sharding it on
+    batch and heads is simple; its decomposition is a forest of masks and matmuls).  A fresh dict
+    each call, from one built once: building it costs ~70 ms."""
+    return dict(_decompositions())
+
+
+@functools.lru_cache(maxsize=1)
+def _decompositions():
+    table = torch.export.default_decompositions()
+    for op in list(table.keys()):
+        if "scaled_dot_product" in str(op):
+            del table[op]
+    return table
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _ours(path: str) -> bool:
+    """A frame of fxshard's capture machinery (its hooks and opaque layers), not the user's."""
+    return "/fxshard/capture/" in path or path.endswith("/fxshard/ir.py")
+
+
+def source_line(stack_trace: str | None) -> tuple[str, str]:
+    """(file:line, code) of the innermost user frame of a stack trace."""
+    if not stack_trace:
+        return "", ""
+    lines = stack_trace.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.search(lines[i])
+        if m and "/torch/" not in m.group(1) and not _ours(m.group(1)):
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}", code
+    return "", ""
+
+
+def record(gm: fx.GraphModule, kinds: list[tuple[str, object]], roots: dict | None = None) -> int:
+    """Fill every node's NodeInfo (kind, FQN, module, source line) from ``kinds``, one (kind, FQN)
+    per placeholder (a tangent's "FQN" is the index of its forward output); returns the number of
+    user inputs."""
+    n_inputs = 0
+    placeholders = iter(kinds)
+    for node in gm.graph.nodes:
+        rec = info(node)
+        if node.op == "placeholder":
+            kind, fqn = next(placeholders)
+            rec.kind = NodeKind(kind)
+            if kind == INPUT:
+                rec.input_index = n_inputs
+                n_inputs += 1
+            elif kind == TANGENT:
+                rec.output_index = fqn
+            else:
+                rec.fqn = fqn
+        elif node.op == "output":
+            rec.kind = NodeKind.OUTPUT
+        else:
+            if node.target is BOUNDARY:
+                rec.kind = NodeKind.BOUNDARY
+                rec.tag = node.args[1]
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                rec.module = path_fqn(list(stack.values())[-1][0], roots)
+            rec.source, rec.code = source_line(node.meta.get("stack_trace"))
+    return n_inputs
+
+
+def path_fqn(path: str, roots: dict | None) -> str:
+    """FQN of a module path such as ``L['layer'].attention.wq``: the frame local's FQN (``roots``,
+    e.g. {"layer": "layers.1."}) + the rest."""
+    m = re.match(r"^L\['([^']+)'\]", path)
+    prefix = (roots or {}).get(m.group(1), "") if m else ""
+    fqn = _clean_fqn(path)
+    return (prefix + fqn if fqn else prefix.rstrip(".")) if prefix else fqn
+
+
+def _clean_fqn(path: str) -> str:
+    # nn_module_stack paths look like "L['self'].layers[0].attention" in some versions; normalise
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def check_no_input_mutation(gm: fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+            raise NotImplementedError(
+                f"fxshard: the compiled code mutates its input {n.args[0].name} in place; in-place updates of "
+                f"parameters, buffers or inputs inside a sharded graph are not supported yet")

@@ -1,0 +1,127 @@
+"""auto: choose every node's placement globally (``plan="auto"``), instead of one node at a time.
+
+The choice is a discrete energy minimisation.  Each decision (a variable) is a node's strategy:
+an op's (input placements, output placements) from its sharding rule, a parameter's or input's
+placements.  Its cost has two parts:
+
+* unary: modelled compute time of the strategy (flops and bytes of the local shards, on the cost
+  model's device figures), and the reduction a forward output needs before it is handed back;
+* pairwise, per data edge: the planner's cost of redistributing the producer's output placement to
+  the placement the consumer's strategy needs (a gradient output to its parameter's placement).
+
+Subject to a per-rank memory budget (parameters, their gradients and optimizer states when
+training, optionally saved activations) and to the user's fixed placements (a partial plan,
+``input_placements`` / ``output_placements``).
+
+Structure keeps it small and fast:
+
+1. Repeated layers (children of one container with the same type and parameter shapes) are
+   marked at capture; the nodes of every layer whose graph is identical to the first one's share
+   its variables (edges between layers become edges inside one layer, counted once per layer).
+2. Chains and trees are solved exactly by dynamic programming (min-sum variable elimination of
+   variables with at most two neighbours: a chain link becomes an edge between its neighbours).
+3. What is left (the cross edges: residual streams, attention's q/k/v fan-in, the backward's
+   reads of saved activations) is an integer program over the remaining variables, solved by HiGHS
+   (``highspy``) with the memory budget as one linear constraint.
+
+The pieces: ``factors`` (variables, states, costs, sharing, write-back), ``dp`` (elimination,
+backtracking), ``ilp`` (dominance, the LP and its rounding, local search, branch and bound),
+``options`` (options, report, errors).  Deterministic: variables, states and ILP columns are built
+in graph order.  The modelled cost of any annotated program (auto or hand-written) comes from
+``fxshard.placement.problem.modelled_cost``, so plans compare on equal terms.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+from ..problem import PlacementProblem
+from .dp import backtrack, eliminate
+from .factors import FactorGraph
+from .ilp import dominance, solve_ilp
+from .options import AutoInfeasible, AutoOptions, AutoReport, size_text
+
+log = logging.getLogger("fxshard")
+
+
+def check_budget(fg: FactorGraph, budget: float | None) -> None:
+    """Raise ``AutoInfeasible`` when even the most sharded states exceed ``budget``."""
+    fg.report.min_memory_bytes = sum(float(v.memory.min()) for v in fg.vars if v.memory is not None)
+    if budget is None or fg.report.min_memory_bytes <= budget:
+        return
+    what = "parameters + gradients + optimizer states" if fg.training else "parameters and buffers"
+    if fg.opt.activations and fg.training:
+        what += " + saved activations"
+    need = fg.report.min_memory_bytes
+    raise AutoInfeasible(
+        f"memory_budget {size_text(budget)} per rank is too small: the {what} need at least {size_text(need)} "
+        f"per rank even when sharded as far as mesh {fg.mesh.shape} and the fixed placements allow "
+        f"({size_text(need - budget)} over); raise the budget or use a larger mesh")
+
+
+def objective(fg: FactorGraph, choice: Sequence[int]) -> float:
+    total = sum(float(v.unary[choice[i]]) for i, v in enumerate(fg.vars))
+    for (u, v), t in fg.factors.items():
+        total += float(t[choice[u], choice[v]])
+    return total
+
+
+def solve(fg: FactorGraph) -> list[int]:
+    """The chosen state of every variable: chains and trees by DP, the core by the ILP."""
+    t0 = time.perf_counter()
+    budget = fg.opt.memory_budget
+    check_budget(fg, budget)
+    unary = [v.unary.clone() for v in fg.vars]
+    factors = {k: t.clone() for k, t in fg.factors.items()}
+    protected = {i for i, v in enumerate(fg.vars) if budget is not None and v.memory is not None}
+    eliminated, alive, nbrs = eliminate(unary, factors, protected)
+    fg.report.eliminated = len(eliminated) - fg.report.followed
+    t1 = time.perf_counter()
+    core = [i for i in range(len(fg.vars)) if alive[i]]
+    choice = [-1] * len(fg.vars)
+    if core:
+        memory_of = {v: fg.vars[v].memory for v in core if fg.vars[v].memory is not None}
+        keep = dominance(core, unary, factors, nbrs, memory_of, budget)
+        sub_unary = list(unary)
+        memory = {}
+        for v in core:
+            sub_unary[v] = unary[v][keep[v]]
+            if v in memory_of:
+                memory[v] = memory_of[v][keep[v]]
+        sub_factors = {(u, v): t[keep[u]][:, keep[v]] for (u, v), t in factors.items()}
+        fg.report.pruned_states = sum(len(unary[v]) - len(keep[v]) for v in core)
+        for v, s in solve_ilp(core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report).items():
+            choice[v] = int(keep[v][s])
+    t2 = time.perf_counter()
+    backtrack(eliminated, unary, choice)
+    fg.report.times["dp"] = (t1 - t0) + (time.perf_counter() - t2)
+    fg.report.times["ilp"] = t2 - t1
+    fg.report.objective_us = objective(fg, choice)
+    fg.report.memory_bytes = sum(float(v.memory[choice[i]]) for i, v in enumerate(fg.vars) if v.memory is not None)
+    if not math.isfinite(fg.report.objective_us):
+        raise AutoInfeasible("plan='auto' found no plan with finite cost: a fixed placement cannot be reached "
+                             "by any redistribution (see the warnings)")
+    return choice
+
+
+def annotate_auto(gm: fx.GraphModule, problem: PlacementProblem, *, options: AutoOptions | None = None,
+                  blocks: Sequence = (), training: bool = False) -> tuple[list[str], AutoReport]:
+    """``annotate`` for ``plan="auto"``: every node's placement from one global solve."""
+    t0 = time.perf_counter()
+    fg = FactorGraph(gm, problem, options or AutoOptions(), blocks=blocks, training=training)
+    fg.build()
+    choice = solve(fg)
+    t1 = time.perf_counter()
+    fg.apply(choice)
+    fg.report.times["apply"] = time.perf_counter() - t1
+    fg.report.times["total"] = time.perf_counter() - t0
+    log.info("fxshard: %s", fg.report)
+    return problem.warnings, fg.report
+
+
+__all__ = ["AutoOptions", "AutoReport", "AutoInfeasible", "annotate_auto", "FactorGraph", "solve"]

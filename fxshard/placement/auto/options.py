@@ -1,0 +1,68 @@
+"""What ``plan="auto"`` takes (``AutoOptions``), reports (``AutoReport``) and raises (``AutoInfeasible``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """Options of ``plan="auto"``.
+
+    ``memory_budget``: bytes per rank for parameters and buffers, plus (training) their gradients
+    and ``optimizer_states`` copies (Adam: 2), plus (``activations=True``, training) the forward
+    values the backward reads.  ``compute``: add modelled compute time to the objective (without
+    it, replicating everything costs nothing).  ``share_layers``: identical repeated layers take one
+    decision.  ``follow``: an op with one tensor input takes its input's placement as it is where its
+    rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
+    ``time_limit_s``: HiGHS's limit for the cross-edge integer program; ``mip_gap``: the relative
+    gap at which it stops (the plan is then within that fraction of the modelled optimum)."""
+
+    memory_budget: float | None = None
+    optimizer_states: int = 2
+    activations: bool = False
+    compute: bool = True
+    share_layers: bool = True
+    follow: bool = True
+    time_limit_s: float = 60.0
+    mip_gap: float = 5e-3
+
+
+@dataclass
+class AutoReport:
+    """What the solver did (``captured.auto``): sizes and times, for the benchmark and explain."""
+
+    nodes: int = 0
+    variables: int = 0
+    shared_layers: int = 0
+    eliminated: int = 0
+    followed: int = 0
+    ilp_variables: int = 0
+    ilp_columns: int = 0
+    objective_us: float = 0.0
+    memory_bytes: float = 0.0
+    min_memory_bytes: float = 0.0
+    pruned_states: int = 0  # dominated states dropped before the ILP
+    ilp_gap: float = 0.0  # proven relative gap of the plan to the optimum of the cross-edge program
+    ilp_rounded: bool = False  # the LP relaxation, rounded and improved, was within mip_gap
+    times: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        t = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.times.items())
+        return (f"auto: {self.nodes} nodes -> {self.variables} decisions ({self.shared_layers} layers shared, "
+                f"{self.followed} ops follow their input), "
+                f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.pruned_states} dominated "
+                f"states dropped, {self.ilp_columns} columns, "
+                f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}); "
+                f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per rank; {t}")
+
+
+class AutoInfeasible(ValueError):
+    """The memory budget (or a fixed placement) admits no plan."""
+
+
+def size_text(b: float) -> str:
+    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(b) >= k:
+            return f"{b / k:.2f} {unit}"
+    return f"{b:.0f} B"

@@ -1,0 +1,426 @@
+"""The placement problem, defined once: what each node may be and what each choice costs.
+
+* an op's **legal states**: the (input placements, output placements) pairs its sharding rule
+  allows for these shapes, kept where every shard divides evenly (one rank-agnostic per-rank graph
+  serves every rank) and every output something reads is placed;
+* a placeholder's **options**: what the plan, the user or the data-parallel default asks for, and
+  which mesh dims are still free;
+* a planned module boundary's **requirement** on the plan's mesh dim, and the placement a complete
+  gradient takes (like its forward value);
+* every output's **requirement**: a fixed placement, "like this parameter" (its gradient), or
+  "reduced" (pending reductions finished before it is handed back);
+* **costs**: redistributions priced by the planner, compute by flops and bytes of the local shards.
+
+The greedy annotator picks the cheapest legal state per node in graph order, the global solver
+(``plan="auto"``) builds its factors from the same states, and ``set_placement`` validates a hand
+edit against them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import rules
+from .._torch import Partial, Replicate, Shard, flop_count, is_strided_shard, tree_map
+from ..core.mesh import MeshSpec
+from ..core.spec import ShardingSpec, is_even
+from ..ir import (
+    BUFFER,
+    GRAD_TAG,
+    INPUT,
+    PARAM,
+    STATE_KINDS,
+    TANGENT,
+    NodeInfo,
+    NodeKind,
+    Role,
+    arg_key,
+    flat_outputs,
+    info,
+    is_custom_op,
+    output_roles,
+    tensor_args,
+    used_outputs,
+    where,
+)
+from ..planner import plan_between
+from .constraints import PlanConstraints
+
+log = logging.getLogger("fxshard")
+
+
+@dataclass(frozen=True)
+class PlaceholderOptions:
+    """What a placeholder is asked to be (``requested``: the plan's placement, the user's, or the
+    data-parallel default), why, and the mesh dims a global solve may still choose (``free``)."""
+
+    requested: ShardingSpec
+    provenance: str
+    free: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OutputRequirement:
+    """What one flat output must be handed back as: ``kind`` "fixed" (``spec``), "like" (the
+    placement of ``placeholder``: a gradient is placed like its parameter or input) or "reduced"
+    (its own placement with pending reductions finished)."""
+
+    kind: str
+    spec: ShardingSpec | None = None
+    placeholder: fx.Node | None = None
+    role: Role | None = None
+
+
+@dataclass
+class LegalStates:
+    """An op's legal states and where they come from: "rule", "factory" (replicated) or
+    "fallback" (no rule, or none that divides evenly: computed replicated, ``why``)."""
+
+    states: list[tuple[tuple, tuple]]  # (input specs, output specs), in the rule's order
+    source: str
+    why: str | None = None
+
+
+def _val(x):
+    return x.meta["val"] if isinstance(x, fx.Node) else x
+
+
+def normalize(p, ndim: int):
+    """``Shard(-1)`` -> ``Shard(ndim - 1)``: placements compare equal only normalised."""
+    if isinstance(p, Shard) and p.dim < 0:
+        return Shard(p.dim % ndim)
+    return p
+
+
+def _leaf_key(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype)
+    return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
+
+
+def shape_key(x):
+    """A hashable key of an op's arguments by shapes and values (repeated layers ask alike)."""
+    return arg_key(x, _leaf_key)
+
+
+def custom_op_error(node: fx.Node, rec: NodeInfo) -> ValueError:
+    ns, name = node.target.name().split("::")
+    name = name.split(".")[0]
+    return ValueError(
+        f"{node.target} at node {node.name}{where(rec)} is a custom op with no sharding rule; register "
+        f"one, e.g. fxshard.register_rule(torch.ops.{ns}.{name}.default, [((Shard(0), ...), (Shard(0),))]) "
+        f"listing per-mesh-dim (input placements, output placements), or register an all-Replicate "
+        f"rule to compute it replicated")
+
+
+class PlacementProblem:
+    """The placement problem of one graph under one plan (see the module docstring)."""
+
+    def __init__(self, mesh: MeshSpec, cost_model, constraints: PlanConstraints, *,
+                 input_placements: Sequence | None = None, output_placements: Sequence | None = None,
+                 multi_dim: bool = False, batch_size: int | None = None, replicate_grads: bool = False):
+        self.mesh = mesh
+        self.cm = cost_model
+        self.cons = constraints
+        self.input_placements = input_placements
+        self.output_placements = output_placements
+        self.multi_dim = multi_dim
+        self.batch_size = batch_size
+        self.replicate_grads = replicate_grads
+        self.rules_mesh = rules.rules_mesh(mesh.shape)
+        self.warnings: list[str] = []
+        self._candidates: dict = {}
+
+    # ---- specs and costs ------------------------------------------------------------------------
+    def spec(self, placements: Sequence, val: torch.Tensor, order=None, what: str = "") -> ShardingSpec:
+        placements = tuple(normalize(p, val.ndim) for p in placements)
+        return ShardingSpec.make(self.mesh, placements, tuple(val.shape), val.dtype, order, what=what)
+
+    def replicated(self, val: torch.Tensor) -> ShardingSpec:
+        return self.spec([Replicate()] * self.mesh.ndim, val)
+
+    def reduced(self, spec: ShardingSpec) -> ShardingSpec:
+        """``spec`` with every partial mesh dim reduced (Partial -> Replicate)."""
+        return ShardingSpec.make(self.mesh, [Replicate() if isinstance(p, Partial) else p for p in spec.placements],
+                                 spec.shape, spec.dtype, spec.shard_order)
+
+    def warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        log.warning("fxshard: %s", msg)
+
+    def cost(self, src: ShardingSpec, dst: ShardingSpec) -> float:
+        """Modelled µs of redistributing ``src`` to ``dst`` (even intermediate states only)."""
+        if src.levels == dst.levels and src.placements == dst.placements:
+            return 0.0
+        return plan_between(src, dst, self.cm, even_only=True, fuse=self.multi_dim).cost
+
+    # ---- ops ------------------------------------------------------------------------------------
+    def candidates(self, node: fx.Node, placements: Sequence) -> list | str | None:
+        """The sharding rule's candidates for ``node`` given its tensor inputs' ``placements``
+        (memoised by op, argument shapes and placements); "factory"; None without a rule."""
+        args = tree_map(_val, tuple(node.args))
+        kwargs = tree_map(_val, dict(node.kwargs))
+        key = (node.target, shape_key(args), shape_key(kwargs), tuple(placements))
+        if key not in self._candidates:
+            try:
+                self._candidates[key] = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
+            except Exception as e:  # a rule that raises is treated as no rule, loudly
+                log.debug("rule for %s raised %r", node.target, e)
+                self._candidates[key] = None
+        return self._candidates[key]
+
+    def input_specs_for(self, placements: Sequence, targs: Sequence, cur: Sequence) -> tuple | None:
+        """The input specs of a candidate (an input it leaves unplaced keeps ``cur``), or None where
+        one is not plain (strided, a Partial other than sum) or does not divide evenly."""
+        specs = []
+        for plc, a, c in zip(placements, targs, cur):
+            if plc is None:
+                specs.append(c)
+                continue
+            if any(is_strided_shard(p) or (isinstance(p, Partial) and type(p) is not Partial) for p in plc):
+                return None
+            s = self.spec(plc, _val(a))
+            if not is_even(s):
+                return None
+            specs.append(s)
+        return tuple(specs)
+
+    def legal_states(self, node: fx.Node, cur: Sequence[ShardingSpec]) -> LegalStates:
+        """The op's legal states; ``cur``: its tensor inputs' current specs, the placements
+        DTensor's follow-the-input rules enumerate from.  A custom op without a rule is an error;
+        an op whose rule allows nothing here is computed replicated (``source="fallback"``)."""
+        targs = tensor_args(node)
+        out_val = node.meta.get("val")
+        outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
+        cands = self.candidates(node, [s.placements for s in cur])
+        rep_out = tuple(self.replicated(v) if isinstance(v, torch.Tensor) else None for v in outs)
+        if cands == "factory":
+            return LegalStates([(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "factory")
+        used = used_outputs(node)
+        states, seen = [], set()
+        for ins, o in cands or ():
+            try:
+                specs = self.input_specs_for(ins, targs, cur)
+                out_specs = tuple(self.spec(p, v) if p is not None and isinstance(v, torch.Tensor) else None
+                                  for p, v in zip(o, outs))
+            except ValueError:
+                continue
+            if specs is None or len(out_specs) != len(outs) or not all(s is None or is_even(s) for s in out_specs):
+                continue
+            if any(s is None and isinstance(v, torch.Tensor) and i in used
+                   for i, (s, v) in enumerate(zip(out_specs, outs))):
+                continue  # a read output left unplaced: its consumers have nothing to start from
+            if (specs, out_specs) not in seen:
+                seen.add((specs, out_specs))
+                states.append((specs, out_specs))
+        if cands is None and is_custom_op(node.target):
+            raise custom_op_error(node, info(node))
+        if states:
+            return LegalStates(states, "rule")
+        why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
+        return LegalStates([(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "fallback", why)
+
+    def fallback_warning(self, node: fx.Node, why: str) -> str:
+        return f"{node.target} at node {node.name}{where(info(node))} {why}; computing it replicated"
+
+    # ---- placeholders ---------------------------------------------------------------------------
+    def data_parallel(self, val: torch.Tensor) -> list:
+        """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh dim."""
+        out = [Replicate()] * self.mesh.ndim
+        if self.cons.dim is None and self.input_placements is None:
+            return out
+        shards = 1
+        for m in range(self.mesh.ndim):
+            if m == self.cons.dim:
+                continue
+            k = self.mesh.shape[m]
+            if self.batch_size is not None and (val.ndim == 0 or val.shape[0] != self.batch_size):
+                break
+            if val.ndim >= 1 and val.shape[0] % (shards * k) == 0:
+                out[m] = Shard(0)
+                shards *= k
+        return out
+
+    def state_options(self, fqn: str, val: torch.Tensor) -> PlaceholderOptions:
+        """A parameter / buffer / constant: the plan's placement on the plan dim (the other dims
+        free), replicated where the plan says nothing (every dim free)."""
+        want = self.cons.params.get(fqn)
+        every = tuple(range(self.mesh.ndim))
+        if want is None:
+            return PlaceholderOptions(self.replicated(val), "replicated (no plan entry)", every)
+        pl = [Replicate()] * self.mesh.ndim
+        pl[self.cons.dim] = normalize(want[0], val.ndim)
+        spec = self.spec(pl, val, what=f"parameter {fqn}")
+        return PlaceholderOptions(spec, want[1], tuple(m for m in every if m != self.cons.dim))
+
+    def placeholder_options(self, node: fx.Node) -> PlaceholderOptions:
+        rec, val = info(node), node.meta["val"]
+        every = tuple(range(self.mesh.ndim))
+        if rec.kind in STATE_KINDS:
+            return self.state_options(rec.fqn, val)
+        if rec.kind == TANGENT:  # an incoming gradient, placed like its output (replicated by default)
+            i = rec.output_index
+            given = self.output_placements[i] if self.output_placements is not None and \
+                i < len(self.output_placements) else None
+            return PlaceholderOptions(self.spec(given if given is not None else [Replicate()] * self.mesh.ndim, val),
+                                      f"gradient of output {i}", ())
+        assert rec.kind == INPUT
+        i = rec.input_index
+        if self.input_placements is not None:
+            if i >= len(self.input_placements):
+                raise ValueError(f"input_placements has {len(self.input_placements)} entries, but the program "
+                                 f"takes input {i} ({node.name})")
+            return PlaceholderOptions(self.spec(self.input_placements[i], val, what=f"input_placements[{i}]"),
+                                      f"input_placements[{i}]", ())
+        pl = self.data_parallel(val)
+        hint = None
+        for user in node.users:
+            if info(user).tag in self.cons.input_hints:
+                hint = self.cons.input_hints[info(user).tag]
+        if hint is not None and self.cons.dim is not None:
+            pl[self.cons.dim] = hint
+        return PlaceholderOptions(self.spec(pl, val, what=f"input {i}"),
+                                  "input (plan hint)" if hint is not None else "input (data parallel)", every)
+
+    def even_options(self, val: torch.Tensor, fixed: dict | None = None) -> list[ShardingSpec]:
+        """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order, with the
+        mesh dims of ``fixed`` ({mesh dim: placement}) as given."""
+        per_dim = []
+        for m in range(self.mesh.ndim):
+            if fixed and m in fixed:
+                per_dim.append([fixed[m]])
+            else:
+                per_dim.append([Replicate()] + [Shard(d) for d in range(val.ndim)])
+        out = []
+        for plc in itertools.product(*per_dim):
+            try:
+                s = self.spec(plc, val)
+            except ValueError:
+                continue
+            if is_even(s):
+                out.append(s)
+        return out
+
+    # ---- boundaries -----------------------------------------------------------------------------
+    def boundary_requirement(self, node: fx.Node) -> tuple[object, str] | None:
+        """(placement on the plan dim, plan entry) a module boundary asks for; None for a
+        passthrough (no plan entry, or a gradient marker)."""
+        tag = info(node).tag
+        if tag.startswith(GRAD_TAG):
+            return None
+        want = self.cons.boundaries.get(tag)
+        return None if want is None or want[0] is None else want
+
+    def forward_value(self, node: fx.Node) -> fx.Node | None:
+        """The forward node a gradient marker's value is the complete gradient of."""
+        tag = info(node).tag if info(node).kind == NodeKind.BOUNDARY else ""
+        if not tag.startswith(GRAD_TAG):
+            return None
+        graph = node.graph
+        if getattr(self, "_names_of", None) is None or self._names_of[0] is not graph:
+            self._names_of = (graph, {n.name: n for n in graph.nodes})
+        return self._names_of[1].get(tag[len(GRAD_TAG):])
+
+    def gradient_target(self, node: fx.Node) -> ShardingSpec | None:
+        """The spec a gradient marker asks for: its forward value's, reduced (Megatron-style: the
+        complete gradient is placed like the value).  None: not a gradient marker, or its value
+        has no such spec."""
+        fwd = self.forward_value(node)
+        spec = info(fwd).spec if fwd is not None else None
+        if not isinstance(spec, ShardingSpec) or spec.shape != tuple(node.meta["val"].shape):
+            return None
+        return self.reduced(spec)
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def output_requirements(self, output: fx.Node) -> list[OutputRequirement | None]:
+        """What every flat output must be handed back as (None for an output that is no value)."""
+        joint = bool(info(output).roles)
+        roles = output_roles(output)
+        placeholders = {}
+        for p in output.graph.nodes:
+            if p.op == "placeholder":
+                r = info(p)
+                if r.kind in (PARAM, BUFFER):
+                    placeholders[Role("grad_param", r.fqn)] = p
+                elif r.kind == INPUT:
+                    placeholders[Role("grad_input", r.input_index)] = p
+        out = []
+        for i, o in enumerate(flat_outputs(output)):
+            if not isinstance(o, fx.Node):
+                out.append(None)
+                continue
+            role = Role(*roles[i]) if i < len(roles) else Role("output", i)
+            val = o.meta["val"]
+            if role.kind != "output":  # a gradient: like its parameter / input, or handed back global
+                if self.replicate_grads or role not in placeholders:
+                    out.append(OutputRequirement("fixed", self.replicated(val), placeholders.get(role), role))
+                else:
+                    out.append(OutputRequirement("like", None, placeholders[role], role))
+                continue
+            k = role.what
+            given = self.output_placements[k] if self.output_placements is not None and \
+                k < len(self.output_placements) else None
+            if given is not None:
+                out.append(OutputRequirement("fixed", self.spec(given, val, what=f"output_placements[{k}]"),
+                                             role=role))
+            elif joint:  # training hands back global values: its incoming gradient is replicated too
+                out.append(OutputRequirement("fixed", self.replicated(val), role=role))
+            else:  # hand back usable values: finish pending reductions
+                out.append(OutputRequirement("reduced", role=role))
+        return out
+
+
+# ---- the objective ----------------------------------------------------------------------------------
+
+def local_bytes(spec: ShardingSpec) -> float:
+    return spec.nbytes / spec.num_shards
+
+
+def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm) -> float:
+    """Modelled µs of ``node`` under a strategy: its flops split over the mesh dims that shard an
+    input (a contraction split over ranks leaves Partial outputs), plus the local bytes it reads and
+    writes (Partial values are full size)."""
+    rec = info(node)
+    if rec.flops is None:
+        rec.flops = flop_count(node)
+    flops_us, bytes_us = getattr(cm, "flops_per_us", None), getattr(cm, "hbm_bytes_per_us", None)
+    if not flops_us or not bytes_us:
+        return 0.0
+    split = 1
+    mesh = None
+    for s in in_specs:
+        if isinstance(s, ShardingSpec):
+            mesh = s.mesh
+            break
+    if mesh is not None:
+        for m in range(mesh.ndim):
+            if any(isinstance(s, ShardingSpec) and isinstance(s.placements[m], Shard) for s in in_specs):
+                split *= mesh.shape[m]
+    moved = sum(local_bytes(s) for s in (*in_specs, *out_specs) if isinstance(s, ShardingSpec))
+    return rec.flops / split / flops_us + moved / bytes_us
+
+
+def modelled_cost(gm: fx.GraphModule, cost_model) -> dict:
+    """Modelled µs of an annotated, redistributed program: every redistribution's planned cost plus
+    every op's compute under its placements (the same figures ``plan="auto"`` minimises), and the
+    per-rank bytes of parameters and buffers."""
+    comm = compute = 0.0
+    state = 0.0
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if rec.kind == NodeKind.REDISTRIBUTE and rec.plan is not None:
+            comm += rec.plan.cost
+        elif n.op == "placeholder" and rec.kind in STATE_KINDS and isinstance(rec.spec, ShardingSpec):
+            state += local_bytes(rec.spec)
+        elif n.op == "call_function" and rec.kind not in (NodeKind.BOUNDARY, NodeKind.REDISTRIBUTE) \
+                and n.target is not operator.getitem:
+            outs = rec.spec if isinstance(rec.spec, tuple) else (rec.spec,)
+            compute += compute_us(n, rec.input_specs, outs, cost_model)
+    return {"comm_us": comm, "compute_us": compute, "total_us": comm + compute, "state_bytes": state}

@@ -1,0 +1,42 @@
+"""Sharding rules: candidate (input placements, output placements) per ATen op.
+
+Where a rule comes from, first match wins: a rule the user registered (``register_rule``),
+fxshard's own (``own``: attention, factories, vocab-parallel embedding), DTensor's (``dtensor``).
+"""
+
+from __future__ import annotations
+
+from .dtensor import dtensor_candidates, has_single_dim_rule
+from .own import EMBEDDING, FACTORY_OPS, SDPA_OPS, embedding_candidates, sdpa_candidates
+from .user import has_rule, register_rule, unregister_rule, user_candidates
+
+
+def candidates(op, args, kwargs, device_mesh, input_placements):
+    """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
+    placements; ``None`` when no rule exists."""
+    if has_rule(op):
+        return user_candidates(op, args, kwargs, device_mesh.ndim)
+    if op in FACTORY_OPS:
+        return "factory"
+    if op in SDPA_OPS:
+        return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op == EMBEDDING:
+        return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
+    return dtensor_candidates(op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True)
+
+
+def rules_mesh(shape):
+    """A DeviceMesh of ``shape`` with no process group: strategy functions never communicate."""
+    from .._torch import torch_planning_mesh
+
+    key = tuple(shape)
+    if key not in _MESHES:
+        _MESHES[key] = torch_planning_mesh(key)
+    return _MESHES[key]
+
+
+_MESHES: dict = {}  # cache: mesh shape -> planning DeviceMesh (no process group)
+
+
+__all__ = ["candidates", "rules_mesh", "register_rule", "unregister_rule", "has_rule", "dtensor_candidates",
+           "has_single_dim_rule", "EMBEDDING", "FACTORY_OPS", "SDPA_OPS"]

@@ -1,0 +1,95 @@
+"""The bucket stage: independent collectives of the per-rank graph merged, dependencies kept."""
+
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxshard
+from fxshard.ir import info
+from fxshard.passes.bucket import bucket_collectives
+from fxshard.passes.lower import collective_nodes
+from fxshard.planner.execute import group_names
+from fxshard.runtime.simulate import SimulatedMesh
+
+R, P = Replicate(), Partial()
+
+
+def _make_graph():
+    F = torch.ops._c10d_functional
+
+    def f(x, y):
+        a = F.wait_tensor(F.all_reduce(x, "sum", "g0"))
+        b = F.wait_tensor(F.all_reduce(a * 2, "sum", "g0"))  # depends on a: never in a's bucket
+        c = F.wait_tensor(F.all_reduce(y, "sum", "g0"))  # independent of both
+        d = F.wait_tensor(F.all_gather_into_tensor(y + 1, 2, "g0"))
+        e = F.wait_tensor(F.all_gather_into_tensor(x - 1, 2, "g0"))
+        return a, b, c, d, e
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(2, 5))
+    for n in collective_nodes(gm):  # what lowering records: the planned collective each one runs
+        info(n).carries = (fxshard.Collective(str(n.target).split(".")[1], (0,), 0, 0.0, n.name, "", ""),)
+    return gm
+
+
+def test_bucketing_respects_dependencies_and_keeps_results():
+    gm = _make_graph()
+    with SimulatedMesh((2,)) as sim:
+        from fxshard._torch import make_local_tensor
+
+        xs = make_local_tensor({r: torch.randn(4, 3) for r in range(2)})
+        ys = make_local_tensor({r: torch.randn(2, 5) for r in range(2)})
+        groups = group_names(sim.device_mesh)
+        ref = _rename(gm, groups[0])(xs, ys)
+        removed = bucket_collectives(gm)
+        assert removed == 2  # (b, c) share a bucket, (d, e) another; a stays alone
+        buckets = [[c.node for c in info(n).carries] for n in collective_nodes(gm)]
+        assert sorted(buckets) == sorted([["all_reduce"], ["all_reduce_1", "all_reduce_2"],
+                                          ["all_gather_into_tensor", "all_gather_into_tensor_1"]])
+        out = _rename(gm, groups[0])(xs, ys)
+        for o, r in zip(out, ref):
+            from fxshard._torch import local_tensor_values
+
+            for a, b in zip(local_tensor_values(o, 2).values(), local_tensor_values(r, 2).values()):
+                torch.testing.assert_close(a, b)
+
+
+def _rename(gm, name):
+    import copy
+
+    out = copy.deepcopy(gm)
+    for n in collective_nodes(out):
+        n.args = (*n.args[:-1], name)
+    out.recompile()
+    return out
+
+
+def test_bucketing_in_a_sharded_program():
+    def f(a, b, c, d):
+        return a @ b, c @ d
+
+    xs = [torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 16), torch.randn(16, 6)]
+    prog = fxshard.shard(f, fxshard.MeshSpec((2,)), example_inputs=xs,
+                         input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
+                         output_placements=[(R,), (R,)])
+    assert [c.kind for c in prog.planned_collectives()] == ["all_reduce", "all_reduce"]
+    assert len(collective_nodes(prog.local_graph)) == 1 and prog.bucketed == 1
+    # what runs: one all-reduce carrying both planned ones, their bytes together
+    (run,) = prog.collectives()
+    assert run.kind == "all_reduce" and run.carries == tuple(prog.planned_collectives())
+    assert run.bytes == sum(c.bytes for c in prog.planned_collectives()) == 8 * 4 * 4 + 8 * 6 * 4
+    for o, r in zip(prog.simulate(*xs), f(*xs)):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+
+
+def test_bucket_cap_is_respected():
+    def f(a, b, c, d):
+        return a @ b, c @ d
+
+    xs = [torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 16), torch.randn(16, 6)]
+    kw = dict(example_inputs=xs, input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
+              output_placements=[(R,), (R,)])
+    small = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=100, **kw)  # 8*4*4 + 8*6*4 bytes > 100
+    assert len(collective_nodes(small.local_graph)) == 2 and small.bucketed == 0
+    off = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=0, **kw)
+    assert len(collective_nodes(off.local_graph)) == 2
