@@ -12,6 +12,7 @@ venv: .venv/.done
 
 test: venv chromium
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -x tests
 
 # The HTML plan test renders in headless Chromium; install it where we can (root + apt), else the
@@ -29,6 +30,7 @@ bench: venv
 
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf .venv build *.egg-info

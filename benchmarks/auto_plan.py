@@ -26,12 +26,20 @@ from fxshard import zoo
 from fxshard.api import annotate, capture, program, redistribute
 from fxshard.ir import PARAM, info
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def llama3_8b(layers: int) -> zoo.Llama:
-    cfg = zoo.LlamaConfig(dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                          ffn_hidden=14336, max_seq_len=8192, rope_theta=500000.0)
+    cfg = zoo.LlamaConfig(
+        dim=4096,
+        n_layers=layers,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    )
     with torch.device("meta"):
         return zoo.Llama(cfg).to(torch.bfloat16)
 
@@ -69,12 +77,21 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--no-reuse", action="store_true", help="trace every layer (capture without reuse_layers)")
+    ap.add_argument(
+        "--no-reuse", action="store_true", help="trace every layer (capture without reuse_layers)"
+    )
     args = ap.parse_args()
     mesh = fxshard.MeshSpec((8, 8), names=("dp", "tp"))
-    print(f"LLaMA-3-8B-shaped, bf16, joint fwd+bwd, mesh {mesh.shape} (dp, tp), batch {args.batch} x seq {args.seq}")
-    print("| layers | nodes | capture s | auto plan s (median) | capture + plan s | solve breakdown | auto cost ms | "
-          "Megatron+DP ms | Megatron+FSDP ms | auto / best hand | state GiB/rank auto, TP+DP, TP+FSDP |")
+    print(
+        f"LLaMA-3-8B-shaped, bf16, joint fwd+bwd, mesh {mesh.shape} (dp, tp), batch {args.batch} x "
+        f"seq {args.seq}"
+    )
+    print(
+        "| layers | nodes | capture s | auto plan s (median) | capture + plan s | solve breakdown "
+        "| auto cost ms | "
+        "Megatron+DP ms | Megatron+FSDP ms | auto / best hand | state GiB/rank auto, TP+DP, "
+        "TP+FSDP |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layers in args.layers:
         model = llama3_8b(layers)
@@ -82,20 +99,30 @@ def main():
         hand, _, _ = run(model, tokens, mesh, zoo.megatron_tp_plan())
         hf, _, _ = run(model, tokens, mesh, zoo.megatron_tp_plan(), edit=fsdp)
         ch, cf = hand.modelled_cost(), hf.modelled_cost()
-        budget = cf["state_bytes"] * 4  # parameters + gradients + Adam's two states, as FSDP+TP holds them
+        budget = (
+            cf["state_bytes"] * 4
+        )  # parameters + gradients + Adam's two states, as FSDP+TP holds them
         times, caps = [], []
         for _ in range(args.repeat):
-            auto, cap_s, plan_s = run(model, tokens, mesh, "auto", budget=budget, reuse=not args.no_reuse)
+            auto, cap_s, plan_s = run(
+                model, tokens, mesh, "auto", budget=budget, reuse=not args.no_reuse
+            )
             times.append(plan_s)
             caps.append(cap_s)
         cap_s, plan_s = statistics.median(caps), statistics.median(times)
         ca, rep = auto.modelled_cost(), auto.captured.auto
         best = min(ch["total_us"], cf["total_us"])
         brk = ", ".join(f"{k} {v:.2f}" for k, v in rep.times.items() if k != "total")
-        print(f"| {layers} | {rep.nodes} | {cap_s:.1f} | {plan_s:.2f} | {cap_s + plan_s:.1f} | {brk} | "
-              f"{ca['total_us'] / 1e3:.1f} | {ch['total_us'] / 1e3:.1f} | {cf['total_us'] / 1e3:.1f} | "
-              f"{ca['total_us'] / best:.2f}x | {ca['state_bytes'] / GIB:.2f}, {ch['state_bytes'] / GIB:.2f}, "
-              f"{cf['state_bytes'] / GIB:.2f} |", flush=True)
+        print(
+            f"| {layers} | {rep.nodes} | {cap_s:.1f} | {plan_s:.2f} | {cap_s + plan_s:.1f} | {brk} "
+            "| "
+            f"{ca['total_us'] / 1e3:.1f} | {ch['total_us'] / 1e3:.1f} | {cf['total_us'] / 1e3:.1f} "
+            "| "
+            f"{ca['total_us'] / best:.2f}x | {ca['state_bytes'] / GIB:.2f}, "
+            f"{ch['state_bytes'] / GIB:.2f}, "
+            f"{cf['state_bytes'] / GIB:.2f} |",
+            flush=True,
+        )
         print(f"  {rep}", flush=True)
 
 

@@ -32,18 +32,33 @@ def programs(n_layers, shape, names):
     x = zoo.example_input(model, batch=4, seq=16)
     mesh = fxshard.MeshSpec(shape, names=names)
     dp_tp = dict(plan=zoo.megatron_tp_plan())
-    seq = [Shard(0)] * (len(shape) - 2) + [Shard(1)] * 2  # sequence on the last two dims, batch on the rest
+    seq = [Shard(0)] * (len(shape) - 2) + [
+        Shard(1)
+    ] * 2  # sequence on the last two dims, batch on the rest
     dp_cp = dict(plan=None, input_placements=[tuple(seq)])
     for label, kw in (("dp x tp", dp_tp), ("dp x cp", dp_cp)):
-        plain = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, multi_dim_collectives=False,
-                              input_placements=kw.get("input_placements"))
-        fused = fxshard.shard(model, mesh, kw["plan"], example_inputs=x, multi_dim_collectives=True,
-                              input_placements=kw.get("input_placements"))
+        plain = fxshard.shard(
+            model,
+            mesh,
+            kw["plan"],
+            example_inputs=x,
+            multi_dim_collectives=False,
+            input_placements=kw.get("input_placements"),
+        )
+        fused = fxshard.shard(
+            model,
+            mesh,
+            kw["plan"],
+            example_inputs=x,
+            multi_dim_collectives=True,
+            input_placements=kw.get("input_placements"),
+        )
         yield label, mesh, plain, fused
 
 
 def torch_counts(prog) -> tuple[int, int]:
-    """(collectives DTensor issues for the program's redistributions, fxshard's for the same ones)."""
+    """(collectives DTensor issues for the program's redistributions, fxshard's for the same
+    ones)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -60,8 +75,14 @@ def torch_counts(prog) -> tuple[int, int]:
             if any(isinstance(p, Partial) for p in plan.dst.placements):
                 continue  # DTensor does not redistribute *to* Partial
             local = torch.empty(plan.src.local_shape((0,) * prog.mesh.ndim), dtype=plan.src.dtype)
-            dt = DTensor.from_local(local, dm, plan.src.placements, run_check=False, shape=torch.Size(plan.src.shape),
-                                    stride=torch.empty(plan.src.shape, device="meta").stride())
+            dt = DTensor.from_local(
+                local,
+                dm,
+                plan.src.placements,
+                run_check=False,
+                shape=torch.Size(plan.src.shape),
+                stride=torch.empty(plan.src.shape, device="meta").stride(),
+            )
             with CommDebugMode() as comm:
                 dt.redistribute(dm, plan.dst.placements)
             theirs += comm.get_total_counts()
@@ -75,8 +96,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8])
     args = ap.parse_args(argv)
-    print("| layers | mesh | plan | collectives unfused | fused | in per-rank graph (bucketed) | modelled us unfused "
-          "| fused | torch DTensor collectives (same redistributions) | fxshard |")
+    print(
+        "| layers | mesh | plan | collectives unfused | fused | in per-rank graph (bucketed) | "
+        "modelled us unfused "
+        "| fused | torch DTensor collectives (same redistributions) | fxshard |"
+    )
     print("|" + "---|" * 10)
     worse = 0
     for n_layers in args.layers:
@@ -88,9 +112,16 @@ def main(argv=None):
                 in_graph = len(collective_nodes(fused.local_graph))
                 theirs, ours = torch_counts(fused)
                 worse += ours > theirs
-                print(f"| {n_layers} | {shape} | {label} | {cu} | {cf} | {in_graph} | {us_u:.1f} | {us_f:.1f} | "
-                      f"{theirs} | {ours} |", flush=True)
-    print(f"\ncases where fxshard issues more collectives than torch for the same redistributions: {worse}")
+                print(
+                    f"| {n_layers} | {shape} | {label} | {cu} | {cf} | {in_graph} | {us_u:.1f} | "
+                    f"{us_f:.1f} | "
+                    f"{theirs} | {ours} |",
+                    flush=True,
+                )
+    print(
+        "\ncases where fxshard issues more collectives than torch for the same redistributions: "
+        f"{worse}"
+    )
     return 0 if worse == 0 else 1
 
 

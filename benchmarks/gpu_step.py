@@ -1,4 +1,5 @@
-"""One rank's compiled step on an accelerator: fxshard vs DTensor + torch.compile, Inductor codegen check.
+"""One rank's compiled step on an accelerator: fxshard vs DTensor + torch.compile, Inductor codegen
+check.
 
 Runs in ONE process as rank 0 of a ``fake`` process group of ``--world`` ranks (torch's testing
 backend: collectives are accepted and return at once without moving data), so on a single GPU it
@@ -94,7 +95,9 @@ def main():
     import fxshard
     from fxshard import zoo
 
-    if "fxshard" not in torch._dynamo.list_backends():  # not pip-installed (no entry point): register by hand
+    if (
+        "fxshard" not in torch._dynamo.list_backends()
+    ):  # not pip-installed (no entry point): register by hand
         from fxshard.backend import fxshard_backend
 
         torch._dynamo.register_backend(name="fxshard")(fxshard_backend)
@@ -102,72 +105,114 @@ def main():
     dtype = getattr(torch, args.dtype)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     dm = init_device_mesh(device.type, (args.world,), mesh_dim_names=("tp",))
-    cfg = zoo.LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.heads // 2,
-                          ffn_hidden=int(3.5 * args.dim), vocab_size=args.vocab, max_seq_len=args.seq)
+    cfg = zoo.LlamaConfig(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.heads // 2,
+        ffn_hidden=int(3.5 * args.dim),
+        vocab_size=args.vocab,
+        max_seq_len=args.seq,
+    )
     torch.manual_seed(0)
     base = zoo.init_weights(zoo.Llama(cfg), seed=0).to(device=device, dtype=dtype)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
     plan = zoo.megatron_tp_plan()
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else device}, torch {torch.__version__}; "
-          f"rank 0 of {args.world} fake ranks; Llama {args.layers} layers, hidden {args.dim}, {args.heads} heads, "
-          f"batch {args.batch} x seq {args.seq}, {args.dtype}; Megatron TP plan")
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else device}, torch "
+        f"{torch.__version__}; "
+        f"rank 0 of {args.world} fake ranks; Llama {args.layers} layers, hidden {args.dim}, "
+        f"{args.heads} heads, "
+        f"batch {args.batch} x seq {args.seq}, {args.dtype}; Megatron TP plan"
+    )
     rows = []
-    print(f"{'mode':8} {'variant':26} {'step ms':>9} {'vs DTensor':>10} {'compile s':>9} {'collectives':>11} "
-          f"{'kernels':>8} {'coll. calls in code':>19}")
+    print(
+        f"{'mode':8} {'variant':26} {'step ms':>9} {'vs DTensor':>10} {'compile s':>9} "
+        f"{'collectives':>11} "
+        f"{'kernels':>8} {'coll. calls in code':>19}"
+    )
     for mode in args.modes:
         variants = {}
         if mode == "forward":
             variants["DTensor + torch.compile"] = lambda: torch.compile(
-                parallelize_module(copy.deepcopy(base), dm, plan))
+                parallelize_module(copy.deepcopy(base), dm, plan)
+            )
             variants["fxshard (backend)"] = lambda: torch.compile(
-                copy.deepcopy(base), backend="fxshard", options={"mesh": dm, "plan": plan})
+                copy.deepcopy(base), backend="fxshard", options={"mesh": dm, "plan": plan}
+            )
         else:
             tplan = {"model." + k: v for k, v in plan.items()}
             variants["DTensor + torch.compile"] = lambda tplan=tplan: torch.compile(
-                parallelize_module(WithLoss(copy.deepcopy(base)), dm, tplan))
+                parallelize_module(WithLoss(copy.deepcopy(base)), dm, tplan)
+            )
             variants["fxshard (parallelize)"] = lambda tplan=tplan: fxshard.parallelize(
-                WithLoss(copy.deepcopy(base)), dm, tplan)
+                WithLoss(copy.deepcopy(base)), dm, tplan
+            )
         for label, make in variants.items():
             torch._dynamo.reset()
             counter = CollectiveCounter()
             t = time.perf_counter()
             fn = make()
             if mode == "forward":
+
                 def step(fn=fn):
                     with torch.no_grad():
                         return fn(tokens)
             else:
                 # DTensor and plain parameters in separate groups: foreach kernels cannot mix them
                 from torch.distributed.tensor import DTensor
+
                 params = list(fn.parameters())
-                groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
-                                      [p for p in params if not isinstance(p, DTensor)]) if g]
+                groups = [
+                    g
+                    for g in (
+                        [p for p in params if isinstance(p, DTensor)],
+                        [p for p in params if not isinstance(p, DTensor)],
+                    )
+                    if g
+                ]
                 opt = torch.optim.AdamW([{"params": g} for g in groups], lr=1e-4, foreach=True)
 
                 def step(fn=fn, opt=opt):
                     opt.zero_grad(set_to_none=True)
                     fn(tokens).backward()
                     opt.step()
-            with CodeCapture() as code, inductor_config.patch(post_grad_custom_post_pass=counter,
-                                                              fx_graph_cache=False):
+
+            with (
+                CodeCapture() as code,
+                inductor_config.patch(post_grad_custom_post_pass=counter, fx_graph_cache=False),
+            ):
                 step()
                 _sync(device)
             compile_s = time.perf_counter() - t
             step()  # warm
             ms = _time(step, device, args.steps)
             src = code.text
-            kernels = src.count("@triton.jit") if device.type == "cuda" else src.count("extern \"C\"")
-            colls = sum(src.count(f"_c10d_functional.{c}") for c in
-                        ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"))
+            kernels = src.count("@triton.jit") if device.type == "cuda" else src.count('extern "C"')
+            colls = sum(
+                src.count(f"_c10d_functional.{c}")
+                for c in (
+                    "all_reduce",
+                    "all_gather_into_tensor",
+                    "reduce_scatter_tensor",
+                    "all_to_all_single",
+                )
+            )
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 name = f"{mode}_{label.split()[0].lower()}.py"
                 with open(os.path.join(args.dump, name), "w") as f:
                     f.write(src)
             rows.append((mode, label, ms, compile_s, counter.n, kernels, colls))
-            anchor = next(r[2] for r in rows if r[0] == mode)  # DTensor + torch.compile, measured first
-            print(f"{mode:8} {label:26} {ms:9.2f} {ms / anchor:10.2f} {compile_s:9.1f} {counter.n:11d} "
-                  f"{kernels:8d} {colls:19d}", flush=True)  # each row at once: a later failure keeps it
+            anchor = next(
+                r[2] for r in rows if r[0] == mode
+            )  # DTensor + torch.compile, measured first
+            print(
+                f"{mode:8} {label:26} {ms:9.2f} {ms / anchor:10.2f} {compile_s:9.1f} "
+                f"{counter.n:11d} "
+                f"{kernels:8d} {colls:19d}",
+                flush=True,
+            )  # each row at once: a later failure keeps it
     dist.destroy_process_group()
 
 

@@ -1,4 +1,5 @@
-"""Time of each fxshard stage on the Llama-style model (forward graph) vs Inductor on the same model.
+"""Time of each fxshard stage on the Llama-style model (forward graph) vs Inductor on the same
+model.
 
 For 2, 8 and 32 layers, on a (2, 4) dp x tp mesh with the Megatron TP plan: capture, annotate,
 redistribute and lower times, graph nodes per second through the pass, and in the same run the time
@@ -43,8 +44,8 @@ def stage_times(n_layers: int):
 
 
 def inductor_time(model, x) -> float:
-    """First-call compile time of the single-device model, with Inductor's caches off (a cold compile,
-    as fxshard's own stages are timed cold too)."""
+    """First-call compile time of the single-device model, with Inductor's caches off (a cold
+    compile, as fxshard's own stages are timed cold too)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.force_disable_caches = True
@@ -61,8 +62,12 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--no-inductor", action="store_true")
     args = ap.parse_args(argv)
-    print("| layers | nodes | capture s | annotate s | redistribute s | lower s | fxshard total s | nodes/s "
-          "| annotate+redistribute+lower s | inductor compile s | (annotate+redistribute+lower) / inductor |")
+    print(
+        "| layers | nodes | capture s | annotate s | redistribute s | lower s | fxshard total s | "
+        "nodes/s "
+        "| annotate+redistribute+lower s | inductor compile s | (annotate+redistribute+lower) / "
+        "inductor |"
+    )
     print("|" + "---|" * 11)
     if not args.no_inductor:  # load the C++ toolchain once, outside the timed compiles
         inductor_time(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
@@ -71,9 +76,13 @@ def main(argv=None):
         total = sum(t.values())
         ours = t["annotate"] + t["redistribute"] + t["lower"]
         ind = float("nan") if args.no_inductor else inductor_time(model, x)
-        print(f"| {n} | {nodes} | {t['capture']:.2f} | {t['annotate']:.2f} | {t['redistribute']:.2f} | "
-              f"{t['lower']:.2f} | {total:.2f} | {nodes / total:.0f} | {ours:.2f} | {ind:.2f} | "
-              f"{ours / ind:.2f} |", flush=True)
+        print(
+            f"| {n} | {nodes} | {t['capture']:.2f} | {t['annotate']:.2f} | {t['redistribute']:.2f} "
+            "| "
+            f"{t['lower']:.2f} | {total:.2f} | {nodes / total:.0f} | {ours:.2f} | {ind:.2f} | "
+            f"{ours / ind:.2f} |",
+            flush=True,
+        )
     return 0
 
 

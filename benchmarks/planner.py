@@ -1,10 +1,11 @@
 """fxshard's redistribution planner vs torch's graph-based (Dijkstra) and greedy planners.
 
 Random (src, dst) cases on meshes from 1-D to 5-D.  In the same run, for every case: fxshard's plan,
-torch's graph-based plan and torch's greedy plan, each timed uncached (fresh planner, caches cleared)
-and each scored step by step with torch's own ``one_step_redistribute_cost``.  fxshard plans with
-torch's cost figures for the same mesh (``torch_compatible``: same bandwidth/latency, torch's +1 µs
-all-to-all placeholder) so that "lower cost" means a better search, not a different model.
+torch's graph-based plan and torch's greedy plan, each timed uncached (fresh planner, caches
+cleared) and each scored step by step with torch's own ``one_step_redistribute_cost``.  fxshard
+plans with torch's cost figures for the same mesh (``torch_compatible``: same bandwidth/latency,
+torch's +1 µs all-to-all placeholder) so that "lower cost" means a better search, not a different
+model.
 
     python benchmarks/planner.py [--cases-per-mesh 40] [--seed 0] [--quick] [--fuse]
 
@@ -92,14 +93,26 @@ def timed(fn, repeat=1):
 def plan_uncached(ms, cm, src, dst, shape, dtype, so, do, fuse=False):
     fxshard.clear_plan_cache()
     level_positions.cache_clear()
-    return fxshard.plan_redistribute(ms, src, dst, shape, dtype=dtype, src_order=so, dst_order=do,
-                                     cost_model=cm, cache=False, multi_dim_collectives=fuse)
+    return fxshard.plan_redistribute(
+        ms,
+        src,
+        dst,
+        shape,
+        dtype=dtype,
+        src_order=so,
+        dst_order=do,
+        cost_model=cm,
+        cache=False,
+        multi_dim_collectives=fuse,
+    )
 
 
 def run_fused(n, rng):
     """fxshard fused vs unfused on the same random cases: times and how much fusion saves."""
-    print("| mesh | cases | fused median / max ms | unfused median / max ms | fused cheaper | "
-          "median saving where cheaper |")
+    print(
+        "| mesh | cases | fused median / max ms | unfused median / max ms | fused cheaper | "
+        "median saving where cheaper |"
+    )
     print("|" + "---|" * 6)
     for mesh in MESHES:
         dm = adapter.torch_planning_mesh(mesh)
@@ -112,13 +125,24 @@ def run_fused(n, rng):
             plan = functools.partial(plan_uncached, ms, cm, src, dst, shape, dtype, so, do)
             pf, t_f = timed(functools.partial(plan, fuse=True), repeat=3)
             pu, t_u = timed(plan, repeat=3)
-            assert pf.cost <= pu.cost + 1e-6 * max(1.0, pu.cost), (src, dst, shape, pf.cost, pu.cost)
+            assert pf.cost <= pu.cost + 1e-6 * max(1.0, pu.cost), (
+                src,
+                dst,
+                shape,
+                pf.cost,
+                pu.cost,
+            )
             tf.append(t_f * 1e3)
             tu.append(t_u * 1e3)
             if pf.cost < pu.cost - 1e-9 * max(1.0, pu.cost):
                 saving.append(100.0 * (1 - pf.cost / pu.cost))
-        print(f"| {mesh} | {n} | {statistics.median(tf):.3f} / {max(tf):.2f} | {statistics.median(tu):.3f} / "
-              f"{max(tu):.2f} | {len(saving)} | {statistics.median(saving) if saving else 0.0:.1f}% |", flush=True)
+        print(
+            f"| {mesh} | {n} | {statistics.median(tf):.3f} / {max(tf):.2f} | "
+            f"{statistics.median(tu):.3f} / "
+            f"{max(tu):.2f} | {len(saving)} | {statistics.median(saving) if saving else 0.0:.1f}% "
+            "|",
+            flush=True,
+        )
     return 0
 
 
@@ -131,18 +155,27 @@ def run_mesh(mesh, n_cases, rng, torch_graph=True):
     for _ in range(n_cases):
         shape, dtype, src, so, dst, do = random_case(rng, mesh)
 
-        plan, t_ours = timed(functools.partial(plan_uncached, ms, cm, src, dst, shape, dtype, so, do), repeat=3)
+        plan, t_ours = timed(
+            functools.partial(plan_uncached, ms, cm, src, dst, shape, dtype, so, do), repeat=3
+        )
         tsrc, _ = adapter.torch_plan(dm, src, dst, shape, dtype, so, do, graph=False)
         ours_steps = [(s.mesh_dims[0], s.src, s.dst) for s in plan.steps]
         c_ours = adapter.torch_score(tsrc, ours_steps)
         assert abs(c_ours - plan.cost) <= 1e-6 * max(1.0, plan.cost), (src, dst, c_ours, plan.cost)
         row = {"t_ours": t_ours, "c_ours": c_ours}
         if torch_graph:
-            (_, steps), t_graph = timed(functools.partial(adapter.torch_plan, dm, src, dst, shape, dtype, so, do,
-                                                          graph=True))
+            (_, steps), t_graph = timed(
+                functools.partial(
+                    adapter.torch_plan, dm, src, dst, shape, dtype, so, do, graph=True
+                )
+            )
             row.update(t_graph=t_graph, c_graph=adapter.torch_score(tsrc, steps))
-        if so is None and do is None:  # greedy ignores shard order: only comparable on default orders
-            (_, steps), t_greedy = timed(functools.partial(adapter.torch_plan, dm, src, dst, shape, dtype, graph=False))
+        if (
+            so is None and do is None
+        ):  # greedy ignores shard order: only comparable on default orders
+            (_, steps), t_greedy = timed(
+                functools.partial(adapter.torch_plan, dm, src, dst, shape, dtype, graph=False)
+            )
             row.update(t_greedy=t_greedy, c_greedy=adapter.torch_score(tsrc, steps))
         rows.append(row)
     return rows
@@ -176,8 +209,11 @@ def main(argv=None):
     rng = random.Random(args.seed)
     if args.fuse:
         return run_fused(n, rng)
-    header = ("| mesh | cases | fxshard median / max ms | torch graph median / max ms | speedup (median) | "
-              "torch greedy median ms | vs graph: lower/equal/higher | vs greedy: lower/equal/higher |")
+    header = (
+        "| mesh | cases | fxshard median / max ms | torch graph median / max ms | speedup (median) "
+        "| "
+        "torch greedy median ms | vs graph: lower/equal/higher | vs greedy: lower/equal/higher |"
+    )
     print(header)
     print("|" + "---|" * 8)
     all_rows = []
@@ -188,14 +224,19 @@ def main(argv=None):
         tg = [r["t_graph"] * 1e3 for r in rows]
         tgr = [r["t_greedy"] * 1e3 for r in rows if "t_greedy" in r]
         speed = statistics.median(g / o for g, o in zip(tg, to))
-        print(f"| {mesh} | {len(rows)} | {statistics.median(to):.3f} / {max(to):.3f} | "
-              f"{statistics.median(tg):.1f} / {max(tg):.1f} | {speed:.0f}x | "
-              f"{statistics.median(tgr) if tgr else float('nan'):.3f} | "
-              f"{'/'.join(map(str, compare(rows, 'c_graph')))} | {'/'.join(map(str, compare(rows, 'c_greedy')))} |",
-              flush=True)
+        print(
+            f"| {mesh} | {len(rows)} | {statistics.median(to):.3f} / {max(to):.3f} | "
+            f"{statistics.median(tg):.1f} / {max(tg):.1f} | {speed:.0f}x | "
+            f"{statistics.median(tgr) if tgr else float('nan'):.3f} | "
+            f"{'/'.join(map(str, compare(rows, 'c_graph')))} | "
+            f"{'/'.join(map(str, compare(rows, 'c_greedy')))} |",
+            flush=True,
+        )
     lo, eq, hi = compare(all_rows, "c_graph")
-    print(f"\nall: {len(all_rows)} cases; vs torch graph-based lower {lo}, equal {eq}, higher {hi}; "
-          f"vs greedy {'/'.join(map(str, compare(all_rows, 'c_greedy')))}")
+    print(
+        f"\nall: {len(all_rows)} cases; vs torch graph-based lower {lo}, equal {eq}, higher {hi}; "
+        f"vs greedy {'/'.join(map(str, compare(all_rows, 'c_greedy')))}"
+    )
     return 0 if hi == 0 else 1
 
 

@@ -1,4 +1,5 @@
-"""Forward step time on real process groups: fxshard (Inductor) vs DTensor eager vs DTensor + torch.compile.
+"""Forward step time on real process groups: fxshard (Inductor) vs DTensor eager vs DTensor +
+torch.compile.
 
 Llama-style model (4 layers, hidden 256), tensor-parallel (Megatron) plan, 4 gloo ranks on this
 machine (CPU, loopback), all three in the same run on the same weights and tokens.  Per rank:
@@ -33,8 +34,11 @@ class CollectiveCounter:
     def __call__(self, graph):
         for node in graph.nodes:
             ns = getattr(node.target, "namespace", None)
-            if node.op == "call_function" and ns in ("_c10d_functional", "c10d_functional") \
-                    and "wait" not in str(node.target):
+            if (
+                node.op == "call_function"
+                and ns in ("_c10d_functional", "c10d_functional")
+                and "wait" not in str(node.target)
+            ):
                 self.n += 1
 
     def uuid(self):
@@ -72,7 +76,9 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
     torch.manual_seed(0)
     cfg = zoo.LlamaConfig(**cfg_kw)
     base = zoo.init_weights(zoo.Llama(cfg), seed=0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
+    )
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.no_grad():
         ref = base(tokens)
@@ -86,10 +92,15 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
         dist.barrier()
         t = time.perf_counter()
         fn = make()
-        with torch.no_grad(), inductor_config.patch(post_grad_custom_post_pass=counter, fx_graph_cache=False):
+        with (
+            torch.no_grad(),
+            inductor_config.patch(post_grad_custom_post_pass=counter, fx_graph_cache=False),
+        ):
             out = fn(tokens)
         compile_s = time.perf_counter() - t
-        counts[label] = counter.n if counter.n or "eager" not in label else _eager_collectives(fn, tokens)
+        counts[label] = (
+            counter.n if counter.n or "eager" not in label else _eager_collectives(fn, tokens)
+        )
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         made[label] = (fn, compile_s, float((out - ref).abs().max() / ref.abs().max()))
 
@@ -98,8 +109,14 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
 
     build("DTensor eager", dtensor_model)
     build("DTensor + torch.compile", lambda: torch.compile(dtensor_model()))
-    build("fxshard (backend, Inductor)", lambda: torch.compile(
-        copy.deepcopy(base), backend="fxshard", options={"mesh": dm, "plan": zoo.megatron_tp_plan()}))
+    build(
+        "fxshard (backend, Inductor)",
+        lambda: torch.compile(
+            copy.deepcopy(base),
+            backend="fxshard",
+            options={"mesh": dm, "plan": zoo.megatron_tp_plan()},
+        ),
+    )
     # timed round-robin, so that the machine's noise hits all three alike
     times = {label: [] for label in made}
     with torch.no_grad():
@@ -108,8 +125,15 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
         for _ in range(steps):
             for label, (fn, _, _) in made.items():
                 times[label] += _time(fn, tokens, 1)
-    results = {label: dict(compile_s=c, step_ms=1e3 * statistics.median(times[label]), collectives=counts[label],
-                           rel_err=e) for label, (_, c, e) in made.items()}
+    results = {
+        label: dict(
+            compile_s=c,
+            step_ms=1e3 * statistics.median(times[label]),
+            collectives=counts[label],
+            rel_err=e,
+        )
+        for label, (_, c, e) in made.items()
+    }
     return results
 
 
@@ -124,8 +148,15 @@ def main():
     args = ap.parse_args()
     from fxshard.runtime.launch import spawn
 
-    cfg = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=8, ffn_hidden=4 * args.dim,
-               vocab_size=1024, max_seq_len=max(args.seq, 32))
+    cfg = dict(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=8,
+        ffn_hidden=4 * args.dim,
+        vocab_size=1024,
+        max_seq_len=max(args.seq, 32),
+    )
     per_rank = spawn(args.ranks, worker, cfg, args.batch, args.seq, args.steps)
     labels = list(per_rank[0])
     anchor = "DTensor + torch.compile"
@@ -133,15 +164,26 @@ def main():
     def med(label, key):
         return statistics.median(r[label][key] for r in per_rank)
 
-    print(f"Llama-style forward, {args.layers} layers, hidden {args.dim}, batch {args.batch} x seq {args.seq}, "
-          f"{args.ranks} gloo ranks (CPU), Megatron TP plan; medians over ranks of per-rank medians "
-          f"({args.steps} steps)")
-    print(f"{'':30} {'step ms':>9} {'vs compile':>10} {'compile s':>10} {'vs compile':>10} {'collectives':>11} "
-          f"{'max rel err':>11}")
+    print(
+        f"Llama-style forward, {args.layers} layers, hidden {args.dim}, batch {args.batch} x seq "
+        f"{args.seq}, "
+        f"{args.ranks} gloo ranks (CPU), Megatron TP plan; medians over ranks of per-rank medians "
+        f"({args.steps} steps)"
+    )
+    print(
+        f"{'':30} {'step ms':>9} {'vs compile':>10} {'compile s':>10} {'vs compile':>10} "
+        f"{'collectives':>11} "
+        f"{'max rel err':>11}"
+    )
     for label in labels:
-        print(f"{label:30} {med(label, 'step_ms'):9.2f} {med(label, 'step_ms') / med(anchor, 'step_ms'):10.2f} "
-              f"{med(label, 'compile_s'):10.2f} {med(label, 'compile_s') / med(anchor, 'compile_s'):10.2f} "
-              f"{per_rank[0][label]['collectives']:11d} {max(r[label]['rel_err'] for r in per_rank):11.1e}")
+        print(
+            f"{label:30} {med(label, 'step_ms'):9.2f} "
+            f"{med(label, 'step_ms') / med(anchor, 'step_ms'):10.2f} "
+            f"{med(label, 'compile_s'):10.2f} "
+            f"{med(label, 'compile_s') / med(anchor, 'compile_s'):10.2f} "
+            f"{per_rank[0][label]['collectives']:11d} "
+            f"{max(r[label]['rel_err'] for r in per_rank):11.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -59,9 +59,23 @@ def _resolve(mod: Module, level: int, target: str | None) -> str:
     return ".".join(base + ([target] if target else []))
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (annotations only: no dependency at
+    run time)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
 def imports(mod: Module, known: dict[str, Module]) -> Iterator[tuple[str, int]]:
-    """(imported fxshard module, line) for every import in ``mod``, at any depth."""
+    """(imported fxshard module, line) for every import in ``mod``, at any depth (imports for
+    annotations only, under ``if TYPE_CHECKING:``, excepted)."""
+    skip = _type_only(mod.tree)
     for node in ast.walk(mod.tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name in known:
@@ -116,7 +130,8 @@ def cycles(mods: dict[str, Module]) -> list[list[str]]:
 
 
 def _defined_names(mods: dict[str, Module]) -> set[str]:
-    """Every underscore name fxshard defines: functions, classes, attributes it assigns, arguments."""
+    """Every underscore name fxshard defines: functions, classes, attributes it assigns,
+    arguments."""
     out = set()
     for m in mods.values():
         for node in ast.walk(m.tree):
@@ -175,10 +190,16 @@ def private_uses(mod: Module, ours: set[str]) -> list[tuple[int, str]]:
                 for a in node.names:
                     other_modules.add(a.asname or a.name)
     for node in ast.walk(mod.tree):  # aliases: ``aten = torch.ops.aten``
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
             parts = _chain(node.value) if isinstance(node.value, ast.Attribute) else None
             if parts and parts[0] in torch_names:
-                torch_names[node.targets[0].id] = ".".join(torch_names[parts[0]].split(".") + parts[1:])
+                torch_names[node.targets[0].id] = ".".join(
+                    torch_names[parts[0]].split(".") + parts[1:]
+                )
     inner = {id(n.value) for n in ast.walk(mod.tree) if isinstance(n, ast.Attribute)}
     for node in ast.walk(mod.tree):
         if not isinstance(node, ast.Attribute) or id(node) in inner:
@@ -255,15 +276,21 @@ def report(root: str) -> dict:
         if uses:
             private[m.path] = uses
     yes, total = annotated(mods)
-    return {"cycles": cycles(mods), "private": private, "long_functions": long_functions(mods),
-            "long_lines": long_lines(root),
-            "long_lines_all": long_lines(root, tops=("fxshard", "tests", "benchmarks", "examples")),
-            "annotated": (yes, total)}
+    return {
+        "cycles": cycles(mods),
+        "private": private,
+        "long_functions": long_functions(mods),
+        "long_lines": long_lines(root),
+        "long_lines_all": long_lines(root, tops=("fxshard", "tests", "benchmarks", "examples")),
+        "annotated": (yes, total),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    ap.add_argument(
+        "--root", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    )
     ap.add_argument("--verbose", action="store_true", help="list every private use")
     args = ap.parse_args(argv)
     r = report(os.path.abspath(args.root))
@@ -271,17 +298,25 @@ def main(argv: list[str] | None = None) -> int:
     for c in r["cycles"]:
         print("  " + " <-> ".join(c))
     outside = {p: u for p, u in r["private"].items() if not p.startswith(PRIVATE_OK)}
-    print(f"files using private torch APIs: {len(r['private'])} ({len(outside)} outside "
-          f"{', '.join(PRIVATE_OK)})")
+    print(
+        f"files using private torch APIs: {len(r['private'])} ({len(outside)} outside "
+        f"{', '.join(PRIVATE_OK)})"
+    )
     for p, uses in sorted(r["private"].items()):
         shown = uses if args.verbose else uses[:3]
         print(f"  {p}: {len(uses)}  " + "; ".join(f"{ln}: {w}" for ln, w in shown))
     lf = r["long_functions"]
-    print(f"functions over 120 lines: {len(lf)}" + (f" (longest {lf[0][0]}: {lf[0][1]})" if lf else ""))
+    print(
+        f"functions over 120 lines: {len(lf)}"
+        + (f" (longest {lf[0][0]}: {lf[0][1]})" if lf else "")
+    )
     for n, where in lf[1:]:
         print(f"  {n}: {where}")
-    print(f"lines over 100 characters: {r['long_lines']} in fxshard/, {r['long_lines_all']} with tests, "
-          f"benchmarks and examples")
+    print(
+        f"lines over 100 characters: {r['long_lines']} in fxshard/, {r['long_lines_all']} with "
+        "tests, "
+        f"benchmarks and examples"
+    )
     yes, total = r["annotated"]
     print(f"parameters annotated: {yes}/{total} ({yes / max(total, 1):.0%})")
     return 0

@@ -1,4 +1,5 @@
-"""Training step (fwd + bwd + AdamW) on real process groups: fxshard vs DTensor eager vs DTensor + torch.compile.
+"""Training step (fwd + bwd + AdamW) on real process groups: fxshard vs DTensor eager vs DTensor +
+torch.compile.
 
 Llama-style model (4 layers, hidden 256) with its loss inside the module, 4 gloo ranks on this
 machine (CPU, loopback), tensor-parallel (Megatron) and sequence-parallel (torchtitan) plans, all
@@ -31,16 +32,24 @@ import torch.nn as nn
 def count_graph(graph, counter) -> None:
     for node in graph.nodes:
         ns = getattr(node.target, "namespace", None)
-        if node.op == "call_function" and ns in ("_c10d_functional", "c10d_functional") \
-                and "wait" not in str(node.target):
+        if (
+            node.op == "call_function"
+            and ns in ("_c10d_functional", "c10d_functional")
+            and "wait" not in str(node.target)
+        ):
             counter.n += 1
-            v = node.args[0].meta.get("val") if node.args and hasattr(node.args[0], "meta") else None
+            v = (
+                node.args[0].meta.get("val")
+                if node.args and hasattr(node.args[0], "meta")
+                else None
+            )
             if isinstance(v, torch.Tensor):
                 counter.bytes += v.numel() * v.element_size()
 
 
 class CollectiveCounter:
-    """Inductor post-grad custom pass: counts collectives and their input bytes in compiled graphs."""
+    """Inductor post-grad custom pass: counts collectives and their input bytes in compiled
+    graphs."""
 
     def __init__(self):
         self.n = 0
@@ -62,8 +71,11 @@ def _eager_counts(fn):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # the native ops only (the Python-level c10d_functional wrappers dispatch to these)
-            if func.namespace == "_c10d_functional" and "wait" not in func.__name__ \
-                    and "wrap" not in func.__name__:  # not _wrap_tensor_autograd (bookkeeping, no traffic)
+            if (
+                func.namespace == "_c10d_functional"
+                and "wait" not in func.__name__
+                and "wrap" not in func.__name__
+            ):  # not _wrap_tensor_autograd (bookkeeping, no traffic)
                 Count.n += 1
                 if args and isinstance(args[0], torch.Tensor):
                     Count.bytes += args[0].numel() * args[0].element_size()
@@ -94,10 +106,16 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name):
 
     cfg = zoo.LlamaConfig(**cfg_kw)
     base = WithLoss(zoo.init_weights(zoo.Llama(cfg), seed=0))
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)
+    )
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    plan = {"model." + k: v for k, v in (zoo.megatron_tp_plan() if plan_name == "tp"
-                                         else zoo.sequence_parallel_plan()).items()}
+    plan = {
+        "model." + k: v
+        for k, v in (
+            zoo.megatron_tp_plan() if plan_name == "tp" else zoo.sequence_parallel_plan()
+        ).items()
+    }
 
     def make_dtensor(compiled):
         m = parallelize_module(copy.deepcopy(base), dm, plan)
@@ -106,7 +124,9 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name):
     variants = {
         "DTensor eager": lambda: make_dtensor(False),
         "DTensor + torch.compile": lambda: make_dtensor(True),
-        "fxshard (parallelize)": lambda: (lambda m: (m, m))(fxshard.parallelize(copy.deepcopy(base), dm, plan)),
+        "fxshard (parallelize)": lambda: (lambda m: (m, m))(
+            fxshard.parallelize(copy.deepcopy(base), dm, plan)
+        ),
     }
     made = {}
     for label, make in variants.items():
@@ -128,13 +148,17 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name):
             loss = step()
         compile_s = time.perf_counter() - t
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        if label.startswith("fxshard"):  # the forward and backward graphs it compiled, one step's worth
+        if label.startswith(
+            "fxshard"
+        ):  # the forward and backward graphs it compiled, one step's worth
             counter = CollectiveCounter()
             for _prog, runner in module._programs.values():
                 count_graph(runner.forward_graph.graph, counter)
                 count_graph(runner.backward_graph.graph, counter)
         n, nbytes = (counter.n, counter.bytes) if counter.n else _eager_counts(step)
-        made[label] = dict(step=step, compile_s=compile_s, collectives=n, bytes=nbytes, loss=float(loss.detach()))
+        made[label] = dict(
+            step=step, compile_s=compile_s, collectives=n, bytes=nbytes, loss=float(loss.detach())
+        )
     times = {label: [] for label in made}
     for _ in range(steps):
         for label, m in made.items():
@@ -142,8 +166,16 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name):
             t = time.perf_counter()
             m["step"]()
             times[label].append(time.perf_counter() - t)
-    return {label: dict(compile_s=m["compile_s"], step_ms=1e3 * statistics.median(times[label]),
-                        collectives=m["collectives"], bytes=m["bytes"], loss=m["loss"]) for label, m in made.items()}
+    return {
+        label: dict(
+            compile_s=m["compile_s"],
+            step_ms=1e3 * statistics.median(times[label]),
+            collectives=m["collectives"],
+            bytes=m["bytes"],
+            loss=m["loss"],
+        )
+        for label, m in made.items()
+    }
 
 
 def main():
@@ -158,12 +190,23 @@ def main():
     args = ap.parse_args()
     from fxshard.runtime.launch import spawn
 
-    cfg = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=8, ffn_hidden=4 * args.dim,
-               vocab_size=1024, max_seq_len=max(args.seq, 32))
+    cfg = dict(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=8,
+        n_kv_heads=8,
+        ffn_hidden=4 * args.dim,
+        vocab_size=1024,
+        max_seq_len=max(args.seq, 32),
+    )
     anchor = "DTensor + torch.compile"
-    print(f"Llama-style training step (fwd + bwd + AdamW), {args.layers} layers, hidden {args.dim}, batch "
-          f"{args.batch} x seq {args.seq}, {args.ranks} gloo ranks (CPU); medians over ranks of per-rank medians "
-          f"({args.steps} steps)")
+    print(
+        f"Llama-style training step (fwd + bwd + AdamW), {args.layers} layers, hidden {args.dim}, "
+        "batch "
+        f"{args.batch} x seq {args.seq}, {args.ranks} gloo ranks (CPU); medians over ranks of "
+        "per-rank medians "
+        f"({args.steps} steps)"
+    )
     for plan in args.plans:
         per_rank = spawn(args.ranks, worker, cfg, args.batch, args.seq, args.steps, plan)
 
@@ -171,13 +214,20 @@ def main():
             return statistics.median(r[label][key] for r in per_rank)
 
         print(f"\nplan: {plan}")
-        print(f"{'':26} {'step ms':>9} {'vs compile':>10} {'compile s':>10} {'vs compile':>10} {'collectives':>11} "
-              f"{'MB/step':>8} {'loss':>10}")
+        print(
+            f"{'':26} {'step ms':>9} {'vs compile':>10} {'compile s':>10} {'vs compile':>10} "
+            f"{'collectives':>11} "
+            f"{'MB/step':>8} {'loss':>10}"
+        )
         for label in per_rank[0]:
             r0 = per_rank[0][label]
-            print(f"{label:26} {med(label, 'step_ms'):9.1f} {med(label, 'step_ms') / med(anchor, 'step_ms'):10.2f} "
-                  f"{med(label, 'compile_s'):10.2f} {med(label, 'compile_s') / med(anchor, 'compile_s'):10.2f} "
-                  f"{r0['collectives']:11d} {r0['bytes'] / 2**20:8.2f} {r0['loss']:10.6f}")
+            print(
+                f"{label:26} {med(label, 'step_ms'):9.1f} "
+                f"{med(label, 'step_ms') / med(anchor, 'step_ms'):10.2f} "
+                f"{med(label, 'compile_s'):10.2f} "
+                f"{med(label, 'compile_s') / med(anchor, 'compile_s'):10.2f} "
+                f"{r0['collectives']:11d} {r0['bytes'] / 2**20:8.2f} {r0['loss']:10.6f}"
+            )
 
 
 if __name__ == "__main__":

@@ -24,10 +24,13 @@ def _(x, weight, eps):
 
 # Per mesh dim: (placements of x and weight, placement of the output).  fxshard combines them over
 # the mesh dims and always allows all-replicated.  Checked here against the op's schema.
-fxshard.register_rule(torch.ops.examples.rms_norm.default, [
-    ((Shard(0), Replicate()), (Shard(0),)),  # batch
-    ((Shard(1), Replicate()), (Shard(1),)),  # sequence
-])
+fxshard.register_rule(
+    torch.ops.examples.rms_norm.default,
+    [
+        ((Shard(0), Replicate()), (Shard(0),)),  # batch
+        ((Shard(1), Replicate()), (Shard(1),)),  # sequence
+    ],
+)
 
 
 class Block(nn.Module):

@@ -1,4 +1,5 @@
-"""Step through the stages on the Llama-style model, edit one placement by hand, see the cost change.
+"""Step through the stages on the Llama-style model, edit one placement by hand, see the cost
+change.
 
 Run: python examples/step_through.py
 """
@@ -20,13 +21,21 @@ def main():
     c = fxshard.capture(model, tokens, mesh=mesh, plan=zoo.megatron_tp_plan())
     print(f"captured: {len(c.gm.graph.nodes)} nodes")
     fxshard.annotate(c)
-    before = fxshard.program(fxshard.redistribute(fxshard.annotate(
-        fxshard.capture(model, tokens, mesh=mesh, plan=zoo.megatron_tp_plan()))))
+    before = fxshard.program(
+        fxshard.redistribute(
+            fxshard.annotate(fxshard.capture(model, tokens, mesh=mesh, plan=zoo.megatron_tp_plan()))
+        )
+    )
 
     # Hand edit: keep the final norm's output sharded on the sequence dim (tp), e.g. to try a
     # sequence-parallel lm_head.  Every node's record is in node.meta["fxshard"].
-    norm_out = [n for n in c.gm.graph.nodes if info(n).module == "norm" and n.op == "call_function"][-1]
-    print(f"{norm_out.name} ({info(norm_out).module}): {info(norm_out).spec} <- {info(norm_out).provenance}")
+    norm_out = [
+        n for n in c.gm.graph.nodes if info(n).module == "norm" and n.op == "call_function"
+    ][-1]
+    print(
+        f"{norm_out.name} ({info(norm_out).module}): {info(norm_out).spec} <- "
+        f"{info(norm_out).provenance}"
+    )
     fxshard.set_placement(norm_out, (Shard(0), Shard(1)))
     print(f"{norm_out.name} is now {info(norm_out).spec}")
 

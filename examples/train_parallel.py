@@ -20,7 +20,11 @@ def train(rank, world, steps):
     from torch.distributed.device_mesh import init_device_mesh
 
     reference = zoo.init_weights(zoo.Llama(), seed=0)
-    state = {**reference.state_dict(), "rope_cos": reference.rope_cos, "rope_sin": reference.rope_sin}
+    state = {
+        **reference.state_dict(),
+        "rope_cos": reference.rope_cos,
+        "rope_sin": reference.rope_sin,
+    }
     (tokens,) = zoo.example_input(reference, generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.device("meta"):

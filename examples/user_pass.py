@@ -20,7 +20,9 @@ def all_reduce_to_rs_ag(gm, captured, seq_dim=1):
     changed = 0
     for node in gm.graph.nodes:
         rec = info(node)
-        if rec.kind != "redistribute" or not any(s.collective == "all_reduce" for s in rec.plan.steps):
+        if rec.kind != "redistribute" or not any(
+            s.collective == "all_reduce" for s in rec.plan.steps
+        ):
             continue
         plan = rec.plan
         if plan.src.shape[seq_dim] % captured.mesh.size:
@@ -30,12 +32,14 @@ def all_reduce_to_rs_ag(gm, captured, seq_dim=1):
             if step.collective != "all_reduce":
                 continue
             m = step.mesh_dims[0]
-            # src -> (same, but mesh dim m sequence-sharded) -> dst: a reduce-scatter then an all-gather
+            # src -> (same, but mesh dim m sequence-sharded) -> dst: a reduce-scatter then an
+            # all-gather
             mid = list(plan.src.placements)
             mid[m] = Shard(seq_dim)
             mid = ShardingSpec.make(plan.src.mesh, mid, plan.src.shape, plan.src.dtype)
             new = plan_between(plan.src, mid, captured.cost_model, even_only=True).then(
-                plan_between(mid, plan.dst, captured.cost_model, even_only=True))
+                plan_between(mid, plan.dst, captured.cost_model, even_only=True)
+            )
             break
         if new is not None:
             rec.plan = new
@@ -50,8 +54,13 @@ def main():
     tokens = zoo.example_input(model)
     mesh = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
     base = fxshard.shard(model, mesh, zoo.megatron_tp_plan(), example_inputs=tokens)
-    prog = fxshard.shard(model, mesh, zoo.megatron_tp_plan(), example_inputs=tokens,
-                         passes=[("after_redistribute", all_reduce_to_rs_ag)])
+    prog = fxshard.shard(
+        model,
+        mesh,
+        zoo.megatron_tp_plan(),
+        example_inputs=tokens,
+        passes=[("after_redistribute", all_reduce_to_rs_ag)],
+    )
     print(fxshard.diff(base, prog, names=("megatron", "megatron + rs/ag pass")))
     kinds = sorted({c.kind for c in prog.collectives()})
     assert kinds == ["all_gather", "reduce_scatter"], kinds

@@ -18,8 +18,33 @@ from .runtime.program import ShardedProgram
 
 _register_torch_logs()
 
-__all__ = ["MeshSpec", "CostModel", "torch_compatible", "ShardingSpec", "ShardConfig", "plan_redistribute",
-           "RedistributePlan", "Step", "clear_plan_cache", "shard", "ShardedProgram", "Collective", "diff",
-           "capture", "annotate", "set_placement", "redistribute", "program", "lower", "PASS_POINTS",
-           "register_rule", "unregister_rule", "calibrate", "parallelize", "ParallelModule",
-           "AutoOptions", "AutoInfeasible", "launch"]
+__all__ = [
+    "MeshSpec",
+    "CostModel",
+    "torch_compatible",
+    "ShardingSpec",
+    "ShardConfig",
+    "plan_redistribute",
+    "RedistributePlan",
+    "Step",
+    "clear_plan_cache",
+    "shard",
+    "ShardedProgram",
+    "Collective",
+    "diff",
+    "capture",
+    "annotate",
+    "set_placement",
+    "redistribute",
+    "program",
+    "lower",
+    "PASS_POINTS",
+    "register_rule",
+    "unregister_rule",
+    "calibrate",
+    "parallelize",
+    "ParallelModule",
+    "AutoOptions",
+    "AutoInfeasible",
+    "launch",
+]

@@ -31,27 +31,37 @@ def demo_planner() -> None:
     print(f"mesh {mesh_shape} (torch's cost figures: bandwidth {bw} GB/s, latency {lat} us)\n")
     for src, dst, order, shape in cases:
         plan = fxshard.plan_redistribute(mesh, src, dst, shape, src_order=order, cost_model=cm)
-        tsrc, steps = adapter.torch_plan(dm, src, dst, shape, torch.float32, src_order=order, graph=True)
+        tsrc, steps = adapter.torch_plan(
+            dm, src, dst, shape, torch.float32, src_order=order, graph=True
+        )
         t_cost = adapter.torch_score(tsrc, steps)
         greedy = None
         if order is None:
             _, gsteps = adapter.torch_plan(dm, src, dst, shape, torch.float32, graph=False)
             greedy = adapter.torch_score(tsrc, gsteps)
-        print(f"{fxshard.spec.placements_str(src)} -> {fxshard.spec.placements_str(dst)}  shape {shape}"
-              + (f", source shard order {order}" if order else ""))
+        print(
+            f"{fxshard.spec.placements_str(src)} -> {fxshard.spec.placements_str(dst)}  shape "
+            f"{shape}" + (f", source shard order {order}" if order else "")
+        )
         print(f"  fxshard     {plan.cost:9.2f} us  {plan}")
         for s in plan.steps:
             print(f"                 {s}")
-        print(f"  torch graph {t_cost:9.2f} us  " + " -> ".join(
-            f"[{m}] {fxshard.spec.placement_str(a)}->{fxshard.spec.placement_str(b)}" for m, a, b in steps))
+        print(
+            f"  torch graph {t_cost:9.2f} us  "
+            + " -> ".join(
+                f"[{m}] {fxshard.spec.placement_str(a)}->{fxshard.spec.placement_str(b)}"
+                for m, a, b in steps
+            )
+        )
         if greedy is not None:
             print(f"  torch greedy{greedy:9.2f} us")
         print()
 
 
 def demo_llama() -> None:
-    """A 2-layer Llama-style model on a simulated 2x4 dp x tp mesh with torchtitan's sequence-parallel
-    plan: the plan, the collectives, and the simulated result against single device."""
+    """A 2-layer Llama-style model on a simulated 2x4 dp x tp mesh with torchtitan's
+    sequence-parallel plan: the plan, the collectives, and the simulated result against single
+    device."""
     import time
 
     import torch
@@ -66,13 +76,19 @@ def demo_llama() -> None:
     t0 = time.perf_counter()
     prog = fxshard.shard(model, mesh, zoo.sequence_parallel_plan(), example_inputs=tokens)
     t1 = time.perf_counter()
-    print(f"Llama-style model (2 layers, dim 64) on mesh {mesh.shape} {mesh.names}, sequence-parallel plan "
-          f"(sharded in {t1 - t0:.1f} s)\n")
+    print(
+        f"Llama-style model (2 layers, dim 64) on mesh {mesh.shape} {mesh.names}, "
+        "sequence-parallel plan "
+        f"(sharded in {t1 - t0:.1f} s)\n"
+    )
     print(prog.explain())
     print("\ncollectives (per rank):")
     for c in prog.collectives():
-        print(f"  {c.kind:15s} mesh dims {c.mesh_dims}  {c.bytes:7d} B  {c.cost:6.2f} us  {c.transition:12s} "
-              f"{c.provenance}")
+        print(
+            f"  {c.kind:15s} mesh dims {c.mesh_dims}  {c.bytes:7d} B  {c.cost:6.2f} us  "
+            f"{c.transition:12s} "
+            f"{c.provenance}"
+        )
     with torch.no_grad():
         ref = model(*tokens)
     t2 = time.perf_counter()
@@ -80,15 +96,22 @@ def demo_llama() -> None:
     t3 = time.perf_counter()
     err = (out - ref).abs().max().item()
     ok = torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
-    print(f"\nsimulated 8 ranks in {t3 - t2:.2f} s: max |sharded - single device| = {err:.2e} "
-          f"-> {'OK' if ok else 'MISMATCH'}")
+    print(
+        f"\nsimulated 8 ranks in {t3 - t2:.2f} s: max |sharded - single device| = {err:.2e} "
+        f"-> {'OK' if ok else 'MISMATCH'}"
+    )
     if not ok:
         raise SystemExit(1)
 
 
 BUILTIN_PLANS = {
-    "tp": "megatron_tp_plan", "megatron": "megatron_tp_plan", "sp": "sequence_parallel_plan",
-    "vocab": "vocab_parallel_plan", "mlp": "mlp_plan", "none": None, "dp": None,
+    "tp": "megatron_tp_plan",
+    "megatron": "megatron_tp_plan",
+    "sp": "sequence_parallel_plan",
+    "vocab": "vocab_parallel_plan",
+    "mlp": "mlp_plan",
+    "none": None,
+    "dp": None,
 }
 
 
@@ -102,7 +125,9 @@ def load_object(ref: str):
         raise SystemExit(f"expected FILE.py:NAME or MODULE:NAME, got {ref!r}")
     where, name = ref.rsplit(":", 1)
     if where.endswith(".py") or os.path.sep in where:
-        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        spec = importlib.util.spec_from_file_location(
+            os.path.splitext(os.path.basename(where))[0], where
+        )
         if spec is None or spec.loader is None:
             raise SystemExit(f"cannot load {where}")
         mod = importlib.util.module_from_spec(spec)
@@ -118,7 +143,9 @@ def parse_mesh(text: str):
     import fxshard
 
     shape = tuple(int(x) for x in text.lower().split("x"))
-    names = {1: ("tp",), 2: ("dp", "tp")}.get(len(shape), tuple(f"dp{i}" for i in range(len(shape) - 1)) + ("tp",))
+    names = {1: ("tp",), 2: ("dp", "tp")}.get(
+        len(shape), tuple(f"dp{i}" for i in range(len(shape) - 1)) + ("tp",)
+    )
     return fxshard.MeshSpec(shape, names=names)
 
 
@@ -143,19 +170,32 @@ def build_program(factory_ref: str, mesh_text: str, plan_ref: str):
     return fxshard.shard(model, parse_mesh(mesh_text), load_plan(plan_ref), example_inputs=inputs)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fxshard")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="the main demo: a Llama-style model on a simulated 2x4 mesh")
     sub.add_parser("plan-demo", help="redistribution plans next to torch's")
-    for name, hlp in (("explain", "print a sharded program's plan"), ("diff", "compare two plans or meshes")):
+    for name, hlp in (
+        ("explain", "print a sharded program's plan"),
+        ("diff", "compare two plans or meshes"),
+    ):
         p = sub.add_parser(name, help=hlp)
-        p.add_argument("factory", help="FILE.py:FACTORY or MODULE:FACTORY returning a model or (model, inputs)")
-        p.add_argument("--mesh", action="append", default=None, help="mesh shape such as 2x4 (last dim: tp)")
-        p.add_argument("--plan", action="append", default=None,
-                       help=f"built-in plan ({', '.join(BUILTIN_PLANS)}) or FILE.py:NAME")
+        p.add_argument(
+            "factory", help="FILE.py:FACTORY or MODULE:FACTORY returning a model or (model, inputs)"
+        )
+        p.add_argument(
+            "--mesh", action="append", default=None, help="mesh shape such as 2x4 (last dim: tp)"
+        )
+        p.add_argument(
+            "--plan",
+            action="append",
+            default=None,
+            help=f"built-in plan ({', '.join(BUILTIN_PLANS)}) or FILE.py:NAME",
+        )
         p.add_argument("--format", choices=("text", "json", "html"), default="text")
-        p.add_argument("--verbose", action="store_true", help="every node, not only the ones that matter")
+        p.add_argument(
+            "--verbose", action="store_true", help="every node, not only the ones that matter"
+        )
         p.add_argument("-o", "--output", help="write to this file instead of stdout")
     args = ap.parse_args(argv)
     if args.cmd == "demo":

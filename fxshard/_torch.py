@@ -8,9 +8,12 @@ directly elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as _pytree
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import (  # noqa: F401  (re-exported)
     Partial,
     Placement,
@@ -30,8 +33,8 @@ tree_unflatten = _pytree.tree_unflatten
 _KINDS = {Shard: "S", Replicate: "R", Partial: "P", _StridedShard: "SS"}
 
 
-def placement_kind(p) -> str | None:
-    """"S", "SS" (strided), "R", "P" or None.  Exact-type lookup first: isinstance on torch's
+def placement_kind(p: Placement) -> str | None:
+    """ "S", "SS" (strided), "R", "P" or None.  Exact-type lookup first: isinstance on torch's
     placements goes through a slow metaclass hook, and planning asks this millions of times."""
     k = _KINDS.get(type(p))
     if k is not None:
@@ -47,15 +50,15 @@ def placement_kind(p) -> str | None:
     return None
 
 
-def is_strided_shard(p) -> bool:
+def is_strided_shard(p: Placement) -> bool:
     return placement_kind(p) == "SS"
 
 
-def strided_split_factor(p) -> int:
+def strided_split_factor(p: Placement) -> int:
     return int(p._split_factor_int())
 
 
-def per_rank(fn):
+def per_rank(fn: Callable) -> Callable:
     """Run ``fn`` once per simulated rank under ``LocalTensorMode`` (plain call otherwise).
 
     Used for the rank-dependent index arithmetic of the executor: arguments that are per-rank
@@ -78,7 +81,7 @@ def make_local_tensor(per_rank_tensors: dict):
     return LocalTensor(per_rank_tensors)
 
 
-def local_tensor_values(t, world_size: int | None = None) -> dict:
+def local_tensor_values(t: torch.Tensor, world_size: int | None = None) -> dict:
     """{rank: tensor} of a LocalTensor (or an AsyncCollectiveTensor wrapping one).  A plain tensor
     (what simulation gives for a value identical on every rank) maps to every rank."""
     from torch.distributed._local_tensor import LocalTensor
@@ -92,7 +95,7 @@ def local_tensor_values(t, world_size: int | None = None) -> dict:
     return {r: t for r in range(world_size)}
 
 
-def coordinate_tensor(device_mesh):
+def coordinate_tensor(device_mesh: DeviceMesh) -> torch.Tensor:
     """This rank's mesh coordinate as an int64 tensor (a per-rank LocalTensor when simulating)."""
     import torch
     from torch.distributed._local_tensor import enabled_local_tensor_mode, rank_map
@@ -105,17 +108,20 @@ def coordinate_tensor(device_mesh):
 
 # ---- torch's own redistribution planners, for comparisons (benchmarks, tests) -------------------
 
-def torch_planning_mesh(shape):
+
+def torch_planning_mesh(shape: Sequence[int]) -> DeviceMesh:
     """A DeviceMesh of ``shape`` without any process group (enough for torch's planners)."""
     import math
 
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh("cpu", torch.arange(math.prod(shape)).view(tuple(shape)), _init_backend=False, _rank=0)
+    return DeviceMesh(
+        "cpu", torch.arange(math.prod(shape)).view(tuple(shape)), _init_backend=False, _rank=0
+    )
 
 
-def torch_topology(device_mesh):
+def torch_topology(device_mesh: DeviceMesh) -> tuple[tuple, tuple]:
     """(bandwidth, latency) per mesh dim as torch's cost model sees this mesh."""
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
@@ -131,11 +137,23 @@ def _torch_spec(device_mesh, placements, shape, dtype, shard_order):
     tm = TensorMeta(t.shape, t.stride(), t.dtype)
     order = None
     if shard_order is not None:
-        order = tuple(ShardOrderEntry(d, tuple(ms)) for d, ms in sorted(dict(shard_order).items()) if ms)
+        order = tuple(
+            ShardOrderEntry(d, tuple(ms)) for d, ms in sorted(dict(shard_order).items()) if ms
+        )
     return DTensorSpec(device_mesh, tuple(placements), tensor_meta=tm, shard_order=order)
 
 
-def torch_plan(device_mesh, src, dst, shape, dtype, src_order=None, dst_order=None, *, graph=True):
+def torch_plan(
+    device_mesh: DeviceMesh,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    src_order: dict | None = None,
+    dst_order: dict | None = None,
+    *,
+    graph: bool = True,
+) -> tuple:
     """torch's plan as [(mesh_dim, src_placement, dst_placement)], uncached (a fresh planner)."""
     import torch.distributed.tensor._redistribute as R
 
@@ -149,7 +167,7 @@ def torch_plan(device_mesh, src, dst, shape, dtype, src_order=None, dst_order=No
     return s, [(ti.mesh_dim, *ti.src_dst_placements) for ti in infos]
 
 
-def torch_score(src_spec, steps) -> float:
+def torch_score(src_spec, steps: Sequence[tuple]) -> float:
     """Sum of torch's ``one_step_redistribute_cost`` over a plan, replayed step by step from
     ``src_spec`` (a torch DTensorSpec).  inf if a step is impossible (e.g. Shard -> Partial)."""
     from torch.distributed.tensor._collective_utils import one_step_redistribute_cost
@@ -157,18 +175,26 @@ def torch_score(src_spec, steps) -> float:
 
     placements = list(src_spec.placements)
     total = 0.0
-    cur = DTensorSpec(src_spec.mesh, tuple(placements), tensor_meta=src_spec.tensor_meta,
-                      use_strided_shard_as_shard_order=False)
+    cur = DTensorSpec(
+        src_spec.mesh,
+        tuple(placements),
+        tensor_meta=src_spec.tensor_meta,
+        use_strided_shard_as_shard_order=False,
+    )
     for m, _, dst in steps:
         placements[m] = dst
-        nxt = DTensorSpec(src_spec.mesh, tuple(placements), tensor_meta=src_spec.tensor_meta,
-                          use_strided_shard_as_shard_order=False)
+        nxt = DTensorSpec(
+            src_spec.mesh,
+            tuple(placements),
+            tensor_meta=src_spec.tensor_meta,
+            use_strided_shard_as_shard_order=False,
+        )
         total += one_step_redistribute_cost(cur, nxt)
         cur = nxt
     return total
 
 
-def record_frames_of(fn) -> None:
+def record_frames_of(fn: Callable) -> None:
     """Make export keep ``fn``'s frames in node stack traces (it keeps only ``forward`` frames)."""
     from torch.fx.proxy import _register_stack_trace_anchor
 
@@ -176,7 +202,8 @@ def record_frames_of(fn) -> None:
 
 
 def register_torch_logs() -> None:
-    """Make ``TORCH_LOGS="fxshard"`` (and ``torch._logging.set_logs(fxshard=...)``) control our logger."""
+    """Make ``TORCH_LOGS="fxshard"`` (and ``torch._logging.set_logs(fxshard=...)``) control our
+    logger."""
     import os
 
     from torch._logging import _internal
@@ -187,15 +214,18 @@ def register_torch_logs() -> None:
             _internal._init_logs()
 
 
-def trace_artifact(name: str, payload_fn) -> None:
-    """A structured-trace artifact (shown by tlparse for TORCH_TRACE runs); free when tracing is off."""
+def trace_artifact(name: str, payload_fn: Callable[[], str]) -> None:
+    """A structured-trace artifact (shown by tlparse for TORCH_TRACE runs); free when tracing is
+    off."""
     from torch._logging import trace_structured
 
-    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
-                     payload_fn=payload_fn)
+    trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": "string"}, payload_fn=payload_fn
+    )
 
 
 # ---- torch.compile / Inductor -------------------------------------------------------------------
+
 
 def dynamo_frame_locals() -> dict:
     """The local variables of the frame dynamo is compiling (valid inside a backend call)."""
@@ -206,9 +236,10 @@ def dynamo_frame_locals() -> dict:
 
 
 def calling_modules() -> list:
-    """Modules whose ``forward`` is running on the Python stack, outermost first (``torch.compile``'d
-    wrappers unwrapped).  After a graph break in a loop dynamo compiles submodule frames on their
-    own; the outermost module on the stack is then the model the plan names FQNs in."""
+    """Modules whose ``forward`` is running on the Python stack, outermost first
+    (``torch.compile``'d wrappers unwrapped).  After a graph break in a loop dynamo compiles
+    submodule frames on their own; the outermost module on the stack is then the model the plan
+    names FQNs in."""
     import sys
 
     import torch.nn as nn
@@ -226,16 +257,18 @@ def calling_modules() -> list:
     return out[::-1]
 
 
-def placeholder_source(node) -> str | None:
-    """A dynamo graph placeholder's source, e.g. ``L['self']._modules['fc1']._parameters['weight']``."""
+def placeholder_source(node: fx.Node) -> str | None:
+    """A dynamo graph placeholder's source, e.g.
+    ``L['self']._modules['fc1']._parameters['weight']``."""
     arg = node.meta.get("grapharg")
     src = getattr(arg, "source", None)
     name = getattr(src, "name", None)
     return name() if callable(name) else name
 
 
-def inductor_compile(gm, example_inputs):
-    """Compile an ATen graph with Inductor: decompose with Inductor's table, then ``compile_fx_inner``.
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Callable:
+    """Compile an ATen graph with Inductor: decompose with Inductor's table, then
+    ``compile_fx_inner``.
 
     Returns ``fn(*args) -> tuple``.  ``example_inputs`` are real or fake tensors of the right
     shapes, dtypes and devices (contiguous)."""
@@ -247,9 +280,13 @@ def inductor_compile(gm, example_inputs):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fm = FakeTensorMode(allow_non_fake_inputs=False)
-    fakes = [fm.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=t.device)) for t in example_inputs]
+    fakes = [
+        fm.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=t.device)) for t in example_inputs
+    ]
     with fm:
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fakes)
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(
+            *fakes
+        )
     with tracing(TracingContext(fm)):
         compiled = compile_fx_inner(decomposed, fakes)
 
@@ -260,7 +297,8 @@ def inductor_compile(gm, example_inputs):
     return run
 
 
-# ---- joint forward+backward graphs (AOTAutograd) --------------------------------------------------
+# ---- joint forward+backward graphs (AOTAutograd) -------------------------------------------------
+
 
 def lazy_graph_modules():
     """Context in which new GraphModules regenerate their Python code only when it is first needed
@@ -271,8 +309,11 @@ def lazy_graph_modules():
     return _use_lazy_graph_module(True)
 
 
-def export_joint(module, fake_args, decompositions):
-    """``aot_export_joint_with_descriptors``: (joint GraphModule, pytree spec of the forward outputs).  Placeholders are
+def export_joint(
+    module: torch.nn.Module, fake_args: Sequence, decompositions: dict
+) -> tuple[fx.GraphModule, object]:
+    """``aot_export_joint_with_descriptors``: (joint GraphModule, pytree spec of the forward
+    outputs).  Placeholders are
     ``primals_*`` / ``tangents_*`` with ``meta["desc"]``; the output node's ``meta["desc"]`` lists
     what each output is (see ``describe``)."""
     import contextlib
@@ -280,14 +321,20 @@ def export_joint(module, fake_args, decompositions):
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     with contextlib.ExitStack() as stack:
-        jd = aot_export_joint_with_descriptors(stack, module, tuple(fake_args), decompositions=decompositions,
-                                               _record_nn_module_stack=True)
+        jd = aot_export_joint_with_descriptors(
+            stack,
+            module,
+            tuple(fake_args),
+            decompositions=decompositions,
+            _record_nn_module_stack=True,
+        )
     return jd.graph_module, jd.out_spec
 
 
-def describe(desc) -> tuple[str, object]:
-    """A joint-graph descriptor as (kind, payload): ("param", fqn), ("buffer", fqn), ("input", index),
-    ("tangent", output index), ("output", index), ("grad_param", fqn), ("grad_input", index)."""
+def describe(desc: object) -> tuple[str, object]:
+    """A joint-graph descriptor as (kind, payload): ("param", fqn), ("buffer", fqn), ("input",
+    index), ("tangent", output index), ("output", index), ("grad_param", fqn), ("grad_input",
+    index)."""
     from torch._functorch._aot_autograd import descriptors as d
 
     if isinstance(desc, d.ParamAOTInput):
@@ -303,20 +350,24 @@ def describe(desc) -> tuple[str, object]:
         return "output", desc.idx
     if isinstance(desc, d.GradAOTOutput):
         kind, what = describe(desc.grad_of)
-        return ("grad_param" if kind == "param" else "grad_input" if kind == "input" else "grad_" + kind), what
+        return (
+            "grad_param" if kind == "param" else "grad_input" if kind == "input" else "grad_" + kind
+        ), what
     return type(desc).__name__, None
 
 
-def partition_joint(joint, num_fwd_outputs: int):
-    """(forward, backward) GraphModules of a joint graph: AOTAutograd's min-cut partitioner (it saves
-    collectives' results rather than recomputing them).  Placeholders must be ``primals_*`` /
+def partition_joint(
+    joint: fx.GraphModule, num_fwd_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """(forward, backward) GraphModules of a joint graph: AOTAutograd's min-cut partitioner (it
+    saves collectives' results rather than recomputing them).  Placeholders must be ``primals_*`` /
     ``tangents_*``; outputs: the ``num_fwd_outputs`` forward outputs, then the gradients."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     return min_cut_rematerialization_partition(joint, None, num_fwd_outputs=num_fwd_outputs)
 
 
-def flop_count(node) -> float:
+def flop_count(node: fx.Node) -> float:
     """Floating-point operations of an ATen node (torch's flop formulas; attention on the CPU
     kernels counted like the CUDA ones); 0 for ops without a formula (memory-bound ones)."""
     import torch
@@ -329,7 +380,9 @@ def flop_count(node) -> float:
     kwargs = torch.utils._pytree.tree_map(val, dict(node.kwargs))
     op = node.target
     name = str(op)
-    if "_scaled_dot_product_flash_attention_for_cpu" in name or name.startswith("aten.scaled_dot_product_attention"):
+    if "_scaled_dot_product_flash_attention_for_cpu" in name or name.startswith(
+        "aten.scaled_dot_product_attention"
+    ):
         backward = name.endswith("backward.default")
         q, k = (args[1], args[2]) if backward else (args[0], args[1])
         b, h, sq, d = q.shape
@@ -344,7 +397,8 @@ def flop_count(node) -> float:
         return 0.0
 
 
-# ---- fake tensors, graphs, modules -----------------------------------------------------------------
+# ---- fake tensors, graphs, modules ---------------------------------------------------------------
+
 
 def fake_mode(allow_non_fake_inputs: bool = True):
     """A new ``FakeTensorMode``."""
@@ -353,14 +407,15 @@ def fake_mode(allow_non_fake_inputs: bool = True):
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
-def fake_mode_of(values) -> object | None:
-    """The fake mode ``values`` (a sequence) are fake tensors of, if any (dynamo's, in a backend)."""
+def fake_mode_of(values: Sequence) -> object | None:
+    """The fake mode ``values`` (a sequence) are fake tensors of, if any (dynamo's, in a
+    backend)."""
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode(tuple(values))
 
 
-def is_fake_of(mode, value) -> bool:
+def is_fake_of(mode: object, value: object) -> bool:
     """``value`` is a fake tensor of ``mode``."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -383,23 +438,32 @@ def module_tensor_slots(module: torch.nn.Module) -> tuple[dict, dict]:
     return module._parameters, module._buffers
 
 
-def set_module_tensor(module: torch.nn.Module, name: str, value, *, parameter: bool) -> None:
+def set_module_tensor(
+    module: torch.nn.Module, name: str, value: torch.Tensor | None, *, parameter: bool
+) -> None:
     """Put ``value`` in ``module``'s parameter or buffer slot ``name`` as it is (no Parameter
     wrapping or checks, unlike ``setattr``)."""
     (module._parameters if parameter else module._buffers)[name] = value
 
 
-def is_op_overload(op) -> bool:
+def is_op_overload(op: object) -> bool:
     return isinstance(op, torch._ops.OpOverload)
 
 
-# ---- functional collectives ------------------------------------------------------------------------
+# ---- functional collectives ----------------------------------------------------------------------
 
 c10d = torch.ops._c10d_functional  # the functional collective ops (traceable, Inductor lowers them)
-COLLECTIVE_OPS = frozenset({c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-                            c10d.all_reduce.default, c10d.all_to_all_single.default})
+COLLECTIVE_OPS = frozenset(
+    {
+        c10d.all_gather_into_tensor.default,
+        c10d.reduce_scatter_tensor.default,
+        c10d.all_reduce.default,
+        c10d.all_to_all_single.default,
+    }
+)
 
 
-def flattened_group_name(device_mesh, mesh_dim_names) -> str:
-    """The process group of the flattened sub-mesh over ``mesh_dim_names`` (created once per mesh)."""
+def flattened_group_name(device_mesh: DeviceMesh, mesh_dim_names: Sequence[str]) -> str:
+    """The process group of the flattened sub-mesh over ``mesh_dim_names`` (created once per
+    mesh)."""
     return device_mesh[tuple(mesh_dim_names)]._flatten().get_group(0).group_name

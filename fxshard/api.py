@@ -1,11 +1,11 @@
 """The pipeline as public stages, and ``fxshard.shard`` as their composition.
 
-    c = fxshard.capture(model, example_inputs, mesh=mesh, plan=plan)   # ATen graph + boundary markers
-    fxshard.annotate(c)                                                # placements in node.meta["fxshard"]
-    fxshard.set_placement(node, (Shard(0), Replicate()))               # optional hand edits
-    fxshard.redistribute(c)                                            # explicit redistribute nodes
-    prog = fxshard.program(c)                                          # ShardedProgram
-    prog.local_graph                                                   # lowered, then bucketed, on first use
+    c = fxshard.capture(model, example_inputs, mesh=mesh, plan=plan)  # ATen graph + markers
+    fxshard.annotate(c)                                  # placements in node.meta["fxshard"]
+    fxshard.set_placement(node, (Shard(0), Replicate()))  # optional hand edits
+    fxshard.redistribute(c)                              # explicit redistribute nodes
+    prog = fxshard.program(c)                            # ShardedProgram
+    prog.local_graph                                     # lowered, then bucketed, on first use
 
 Each stage reads and writes ``node.meta["fxshard"]`` (``fxshard.ir.NodeInfo``: ``spec``,
 ``input_specs``, ``provenance``, ``plan`` ...).  This module is the only place the stages are
@@ -25,11 +25,13 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from .capture import Captured, capture_dynamo_graph, capture_forward, capture_joint
 from .core.config import DEFAULT_BUCKET_BYTES, ShardConfig
-from .core.cost import CostModel
+from .core.cost import CostModel, CostModelLike
+from .core.mesh import MeshSpec
 from .ir import NodeKind, info
 from .passes.redistribute import insert_redistributes
 from .placement import greedy
@@ -44,12 +46,14 @@ _RENAMED_POINTS = {"after_fuse": "after_bucket"}  # deprecated name -> point
 
 
 def _gc_paused(stage):
-    """Run a stage with Python's cyclic garbage collector paused (restored after, no forced collect).
+    """Run a stage with Python's cyclic garbage collector paused (restored after, no forced
+    collect).
 
     The stages allocate hundreds of thousands of small objects (FX nodes, fake tensors, specs) next
     to long-lived ones (the model, earlier graphs); every gen-2 collection triggered meanwhile walks
-    them all.  On the 32-layer LLaMA-3-8B capture + auto plan that is 0.6-0.7 s of ~5 s.  The garbage
-    a stage leaves is collected by the next collection after it."""
+    them all.  On the 32-layer LLaMA-3-8B capture + auto plan that is 0.6-0.7 s of ~5 s.  The
+    garbage a stage leaves is collected by the next collection after it."""
+
     @functools.wraps(stage)
     def run(*args, **kwargs):
         was = gc.isenabled()
@@ -59,22 +63,38 @@ def _gc_paused(stage):
         finally:
             if was:
                 gc.enable()
+
     return run
 
 
 def _multi_dim(multi_dim_collectives: bool, fuse: bool | None) -> bool:
     if fuse is None:
         return multi_dim_collectives
-    warnings.warn("fuse= is deprecated: it is called multi_dim_collectives= (one collective over several mesh "
-                  "dims where that is cheaper)", DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        "fuse= is deprecated: it is called multi_dim_collectives= (one collective over several "
+        "mesh "
+        "dims where that is cheaper)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return bool(fuse)
 
 
 @_gc_paused
-def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan: dict | str | None = None,
-            tp_dim: int | str | None = None, cost_model=None, multi_dim_collectives: bool = True,
-            fuse: bool | None = None, training: bool = False, reuse_layers: bool | None = None,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Captured:
+def capture(
+    model: nn.Module | Callable,
+    example_inputs: Sequence,
+    *,
+    mesh: MeshSpec | DeviceMesh,
+    plan: dict | str | None = None,
+    tp_dim: int | str | None = None,
+    cost_model: CostModelLike | None = None,
+    multi_dim_collectives: bool = True,
+    fuse: bool | None = None,
+    training: bool = False,
+    reuse_layers: bool | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Captured:
     """Stage 1: trace to an ATen graph; module boundaries the plan names are marked.  ``training``:
     the joint forward+backward graph (outputs: the forward outputs, then the gradients).
 
@@ -84,33 +104,54 @@ def capture(model: nn.Module | Callable, example_inputs: Sequence, *, mesh, plan
     to the plain trace where it does not apply (logged on ``fxshard.stitch``).  Layers of equal
     state are assumed to compute the same function of their tensors (``fxshard.capture.stitch``);
     ``False`` traces every layer."""
-    config = ShardConfig.make(mesh, cost_model=cost_model, multi_dim_collectives=_multi_dim(multi_dim_collectives,
-                                                                                              fuse),
-                              bucket_bytes=bucket_bytes)
-    constraints = resolve_plan(plan, model if isinstance(model, nn.Module) else None, config.mesh, tp_dim)
+    config = ShardConfig.make(
+        mesh,
+        cost_model=cost_model,
+        multi_dim_collectives=_multi_dim(multi_dim_collectives, fuse),
+        bucket_bytes=bucket_bytes,
+    )
+    constraints = resolve_plan(
+        plan, model if isinstance(model, nn.Module) else None, config.mesh, tp_dim
+    )
     if training:
-        c = capture_joint(model, example_inputs, boundaries=constraints.hooked, reuse_layers=reuse_layers is not False)
+        c = capture_joint(
+            model,
+            example_inputs,
+            boundaries=constraints.hooked,
+            reuse_layers=reuse_layers is not False,
+        )
     else:
         c = capture_forward(model, example_inputs, boundaries=constraints.hooked)
     return dataclasses.replace(c, config=config, constraints=constraints)
 
 
 def _check_placements(mesh, input_placements, output_placements) -> None:
-    for what, pls in (("input_placements", input_placements), ("output_placements", output_placements)):
+    for what, pls in (
+        ("input_placements", input_placements),
+        ("output_placements", output_placements),
+    ):
         if pls is not None:
             for i, p in enumerate(pls):
                 if p is not None and len(tuple(p)) != mesh.ndim:
-                    raise ValueError(f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
-                                     f"{mesh.shape}; give one placement per mesh dim")
+                    raise ValueError(
+                        f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
+                        f"{mesh.shape}; give one placement per mesh dim"
+                    )
 
 
 @_gc_paused
-def annotate(captured: Captured, *, input_placements: Sequence | None = None,
-             output_placements: Sequence | None = None, auto_options: AutoOptions | None = None) -> Captured:
+def annotate(
+    captured: Captured,
+    *,
+    input_placements: Sequence | None = None,
+    output_placements: Sequence | None = None,
+    auto_options: AutoOptions | None = None,
+) -> Captured:
     """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance.
 
     With ``plan="auto"`` (or a plan entry ``"*": "auto"``) every placement the plan does not fix is
-    chosen by one global solve (``fxshard.placement.auto``); ``auto_options`` sets its memory budget.
+    chosen by one global solve (``fxshard.placement.auto``); ``auto_options`` sets its memory
+    budget.
     ``captured.auto`` then holds the solver's report.  Otherwise each node takes the cheapest of its
     legal states in graph order (``fxshard.placement.greedy``)."""
     config, cons = captured.config, captured.constraints
@@ -120,20 +161,33 @@ def annotate(captured: Captured, *, input_placements: Sequence | None = None,
     # The greedy choices are made on unfused costs and fusion is applied when the redistributions
     # are planned: each planned redistribution then costs at most its unfused plan, so a fused
     # program is never worse than the unfused one (greedy choices made on fused costs can be).
-    problem = PlacementProblem(config.mesh, config.cost_model, cons, input_placements=input_placements,
-                               output_placements=output_placements,
-                               multi_dim=config.multi_dim_collectives if cons.auto else False,
-                               batch_size=config.batch_size, replicate_grads=config.replicate_grads)
+    problem = PlacementProblem(
+        config.mesh,
+        config.cost_model,
+        cons,
+        input_placements=input_placements,
+        output_placements=output_placements,
+        multi_dim=config.multi_dim_collectives if cons.auto else False,
+        batch_size=config.batch_size,
+        replicate_grads=config.replicate_grads,
+    )
     if cons.auto:
-        captured.warnings, captured.auto = annotate_auto(captured.gm, problem, options=auto_options or AutoOptions(),
-                                                         blocks=cons.blocks, training=captured.training)
+        captured.warnings, captured.auto = annotate_auto(
+            captured.gm,
+            problem,
+            options=auto_options or AutoOptions(),
+            blocks=cons.blocks,
+            training=captured.training,
+        )
     else:
         captured.warnings = greedy.annotate(captured.gm, problem)
     captured.stage = "annotated"
     return captured
 
 
-def set_placement(node: fx.Node, placements: Sequence, *, cost_model=None) -> None:
+def set_placement(
+    node: fx.Node, placements: Sequence, *, cost_model: CostModelLike | None = None
+) -> None:
     """Force a node's output placements between ``annotate`` and ``redistribute``.
 
     The node takes the cheapest state its sharding rule allows with exactly that output (its
@@ -143,8 +197,10 @@ def set_placement(node: fx.Node, placements: Sequence, *, cost_model=None) -> No
     if rec.spec is None:
         raise ValueError(f"set_placement({node.name}): annotate the graph first")
     if rec.kind == NodeKind.REDISTRIBUTE:
-        raise ValueError(f"set_placement({node.name}): redistribute nodes are placed by their plan; edit the "
-                         f"producer or consumer instead (or set placements before redistribute)")
+        raise ValueError(
+            f"set_placement({node.name}): redistribute nodes are placed by their plan; edit the "
+            f"producer or consumer instead (or set placements before redistribute)"
+        )
     mesh = (rec.spec[0] if isinstance(rec.spec, tuple) else rec.spec).mesh
     problem = PlacementProblem(mesh, cost_model or CostModel(mesh), PlanConstraints(dim=None))
     greedy.set_placement(node, placements, problem)
@@ -154,19 +210,29 @@ def set_placement(node: fx.Node, placements: Sequence, *, cost_model=None) -> No
 def redistribute(captured: Captured) -> Captured:
     """Stage 3: explicit redistribute nodes wherever a consumer needs other placements."""
     if captured.stage != "annotated":
-        raise ValueError(f"redistribute: expected an annotated program, got one that is {captured.stage}")
-    insert_redistributes(captured.gm, captured.config.cost_model, fuse=captured.config.multi_dim_collectives)
+        raise ValueError(
+            f"redistribute: expected an annotated program, got one that is {captured.stage}"
+        )
+    insert_redistributes(
+        captured.gm, captured.config.cost_model, fuse=captured.config.multi_dim_collectives
+    )
     captured.stage = "redistributed"
     return captured
 
 
 @_gc_paused
-def program(captured: Captured, *, after_lower: Sequence[Callable] = (),
-            after_bucket: Sequence[Callable] = ()) -> ShardedProgram:
+def program(
+    captured: Captured,
+    *,
+    after_lower: Sequence[Callable] = (),
+    after_bucket: Sequence[Callable] = (),
+) -> ShardedProgram:
     """The ShardedProgram of a redistributed graph.  Its per-rank graph is built on first use:
     lowered (stage 4), ``after_lower`` passes, bucketed (stage 5), ``after_bucket`` passes."""
     if captured.stage != "redistributed":
-        raise ValueError(f"program: expected a redistributed program, got one that is {captured.stage}")
+        raise ValueError(
+            f"program: expected a redistributed program, got one that is {captured.stage}"
+        )
     prog = ShardedProgram(captured, after_lower=after_lower, after_bucket=after_bucket)
     log_program(prog)
     return prog
@@ -175,15 +241,24 @@ def program(captured: Captured, *, after_lower: Sequence[Callable] = (),
 def lower(captured_or_program: Captured | ShardedProgram) -> fx.GraphModule:
     """Stages 4-5: the per-rank graph (local shapes, functional collectives, coordinate input,
     bucketed)."""
-    prog = captured_or_program if isinstance(captured_or_program, ShardedProgram) else program(captured_or_program)
+    prog = (
+        captured_or_program
+        if isinstance(captured_or_program, ShardedProgram)
+        else program(captured_or_program)
+    )
     return prog.local_graph
 
 
 def _point(stage) -> str:
     if stage in _RENAMED_POINTS:
-        warnings.warn(f"pass point {stage!r} is deprecated: its passes run at {_RENAMED_POINTS[stage]!r}, on the "
-                      f"bucketed per-rank graph (fn(local_gm, program)); for the global graph use "
-                      f"'after_redistribute'", DeprecationWarning, stacklevel=4)
+        warnings.warn(
+            f"pass point {stage!r} is deprecated: its passes run at {_RENAMED_POINTS[stage]!r}, on "
+            "the "
+            f"bucketed per-rank graph (fn(local_gm, program)); for the global graph use "
+            f"'after_redistribute'",
+            DeprecationWarning,
+            stacklevel=4,
+        )
         return _RENAMED_POINTS[stage]
     return stage
 
@@ -193,28 +268,44 @@ def _passes_by_point(passes) -> dict[str, list[Callable]]:
     pass validated up front."""
     out: dict[str, list[Callable]] = {p: [] for p in PASS_POINTS}
     for p in passes or ():
-        stage, fn = (p if isinstance(p, tuple) else (getattr(p, "stage", None), p))
+        stage, fn = p if isinstance(p, tuple) else (getattr(p, "stage", None), p)
         stage = _point(stage)
         if stage not in PASS_POINTS:
-            raise ValueError(f"pass {fn!r}: stage {stage!r} is not one of {PASS_POINTS} (give (stage, fn) or set "
-                             f"fn.stage)")
+            raise ValueError(
+                f"pass {fn!r}: stage {stage!r} is not one of {PASS_POINTS} (give (stage, fn) or "
+                "set "
+                f"fn.stage)"
+            )
         out[stage].append(fn)
     return out
 
 
-def shard(model: nn.Module | Callable, mesh, plan: dict | str | None = None, *, example_inputs: Sequence,
-          input_placements: Sequence | None = None, output_placements: Sequence | None = None,
-          tp_dim: int | str | None = None, training: bool = False, cost_model=None,
-          passes: Sequence | None = None, multi_dim_collectives: bool = True, fuse: bool | None = None,
-          bucket_bytes: int = DEFAULT_BUCKET_BYTES, auto_options: AutoOptions | None = None,
-          reuse_layers: bool | None = None) -> ShardedProgram:
+def shard(
+    model: nn.Module | Callable,
+    mesh: MeshSpec | DeviceMesh,
+    plan: dict | str | None = None,
+    *,
+    example_inputs: Sequence,
+    input_placements: Sequence | None = None,
+    output_placements: Sequence | None = None,
+    tp_dim: int | str | None = None,
+    training: bool = False,
+    cost_model: CostModelLike | None = None,
+    passes: Sequence | None = None,
+    multi_dim_collectives: bool = True,
+    fuse: bool | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    auto_options: AutoOptions | None = None,
+    reuse_layers: bool | None = None,
+) -> ShardedProgram:
     """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
 
-    ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and applies
-    to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.  ``plan="auto"``
-    chooses every placement by a global solve (``auto_options``: memory budget and more); a plan
-    with an entry ``"*": "auto"`` fixes its other entries and solves for the rest.  Plain callables
-    take ``input_placements`` / ``output_placements``: one placements tuple per input / output.
+    ``plan`` maps module FQNs (``*`` globs) to torch ParallelStyles or HF tp_plan strings and
+    applies to the mesh dim named ``tp`` (or ``tp_dim``); other mesh dims are data parallel.
+    ``plan="auto"`` chooses every placement by a global solve (``auto_options``: memory budget and
+    more); a plan with an entry ``"*": "auto"`` fixes its other entries and solves for the rest.
+    Plain callables take ``input_placements`` / ``output_placements``: one placements tuple per
+    input / output.
     ``passes``: ``(point, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
     points of the pipeline (see ``PASS_POINTS``).  ``multi_dim_collectives``: let the planner use
     one collective over several mesh dims (a flattened group) where that is cheaper (``fuse`` is
@@ -223,10 +314,24 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | str | None = None, *, 
     each repeated layer once (see ``capture``).
     """
     by_point = _passes_by_point(passes)
-    c = capture(model, example_inputs, mesh=mesh, plan=plan, tp_dim=tp_dim, cost_model=cost_model,
-                multi_dim_collectives=_multi_dim(multi_dim_collectives, fuse), training=training,
-                reuse_layers=reuse_layers, bucket_bytes=bucket_bytes)
-    annotate(c, input_placements=input_placements, output_placements=output_placements, auto_options=auto_options)
+    c = capture(
+        model,
+        example_inputs,
+        mesh=mesh,
+        plan=plan,
+        tp_dim=tp_dim,
+        cost_model=cost_model,
+        multi_dim_collectives=_multi_dim(multi_dim_collectives, fuse),
+        training=training,
+        reuse_layers=reuse_layers,
+        bucket_bytes=bucket_bytes,
+    )
+    annotate(
+        c,
+        input_placements=input_placements,
+        output_placements=output_placements,
+        auto_options=auto_options,
+    )
     for fn in by_point["after_annotate"]:
         fn(c.gm, c)
     redistribute(c)
@@ -237,20 +342,41 @@ def shard(model: nn.Module | Callable, mesh, plan: dict | str | None = None, *, 
     return program(c, after_lower=by_point["after_lower"], after_bucket=by_point["after_bucket"])
 
 
-def shard_dynamo_graph(gm: fx.GraphModule, args: Sequence, config: ShardConfig, constraints: PlanConstraints, *,
-                       roots: dict | None = None, sources: Sequence | None = None, training: bool = False,
-                       num_outputs: int = 1, auto_options: AutoOptions | None = None) -> ShardedProgram:
+def shard_dynamo_graph(
+    gm: fx.GraphModule,
+    args: Sequence,
+    config: ShardConfig,
+    constraints: PlanConstraints,
+    *,
+    roots: dict | None = None,
+    sources: Sequence | None = None,
+    training: bool = False,
+    num_outputs: int = 1,
+    auto_options: AutoOptions | None = None,
+) -> ShardedProgram:
     """A dynamo graph sharded for this call's arguments (the ``torch.compile`` backend): captured
     (the joint forward+backward under autograd), annotated with every output handed back
     replicated (the global values), redistributed."""
     c = capture_dynamo_graph(gm, args, constraints.hooked, roots, sources, training=training)
     c = dataclasses.replace(c, config=config, constraints=constraints)
     replicated = (Replicate(),) * config.mesh.ndim
-    annotate(c, output_placements=[replicated] * num_outputs,
-             auto_options=auto_options if constraints.auto else None)
+    annotate(
+        c,
+        output_placements=[replicated] * num_outputs,
+        auto_options=auto_options if constraints.auto else None,
+    )
     redistribute(c)
     return program(c)
 
 
-__all__ = ["capture", "annotate", "set_placement", "redistribute", "program", "lower", "shard", "shard_dynamo_graph",
-           "PASS_POINTS"]
+__all__ = [
+    "capture",
+    "annotate",
+    "set_placement",
+    "redistribute",
+    "program",
+    "lower",
+    "shard",
+    "shard_dynamo_graph",
+    "PASS_POINTS",
+]

@@ -3,18 +3,19 @@
     torch.compile(model, backend="fxshard", options={"mesh": device_mesh, "plan": plan})
 
 Each dynamo graph is sharded on its own: its parameters (found by their dynamo sources) take the
-plan's placements, its user inputs are the global values every rank holds (each rank slices its shard
-locally, no communication), and its outputs are handed back replicated, i.e. as the global values, so
-whatever runs between graphs (a graph break) sees exactly what the single-device program would.
+plan's placements, its user inputs are the global values every rank holds (each rank slices its
+shard locally, no communication), and its outputs are handed back replicated, i.e. as the global
+values, so whatever runs between graphs (a graph break) sees exactly what the single-device program
+would.
 
 Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
 first call, with the call's concrete shapes: recompiles on new shapes work, and dynamo's dynamic
 shapes are specialised per signature rather than compiled symbolically.  Parameters are sliced to
 local shards once and cached; a replaced parameter (new object, or new storage through ``p.data =``)
-or one updated in place (its version counter moves: optimizers, ``p.mul_()`` under no_grad) is sliced
-again.  In-place updates through ``p.data`` bypass the version counter and are not seen: shards that
-are views (dim-0 shards, replicated parameters) see them, copies do not; update parameters in place
-instead, or call ``torch._dynamo.reset()``.
+or one updated in place (its version counter moves: optimizers, ``p.mul_()`` under no_grad) is
+sliced again.  In-place updates through ``p.data`` bypass the version counter and are not seen:
+shards that are views (dim-0 shards, replicated parameters) see them, copies do not; update
+parameters in place instead, or call ``torch._dynamo.reset()``.
 
 Options (``options={...}``): ``mesh`` (a ``DeviceMesh``; a ``MeshSpec`` or shape with
 ``simulate=True``), ``plan`` (ParallelStyle / tp_plan dict, ``{}`` for none, or ``"auto"``),
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +49,18 @@ from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraini
 
 log = logging.getLogger("fxshard")
 
-OPTIONS = ("mesh", "plan", "tp_dim", "multi_dim_collectives", "fuse", "bucket_bytes", "cost_model", "inductor",
-           "simulate", "auto_options")
+OPTIONS = (
+    "mesh",
+    "plan",
+    "tp_dim",
+    "multi_dim_collectives",
+    "fuse",
+    "bucket_bytes",
+    "cost_model",
+    "inductor",
+    "simulate",
+    "auto_options",
+)
 
 
 @dataclass
@@ -71,24 +83,37 @@ class BackendOptions:
         options = dict(options or {})
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"fxshard backend: unknown option(s) {unknown}; known: {list(OPTIONS)}")
+            raise ValueError(
+                f"fxshard backend: unknown option(s) {unknown}; known: {list(OPTIONS)}"
+            )
         if "mesh" not in options or "plan" not in options:
             missing = [k for k in ("mesh", "plan") if k not in options]
             raise ValueError(
-                f"fxshard backend: missing option(s) {missing}. Use torch.compile(model, backend=\"fxshard\", "
-                f"options={{\"mesh\": device_mesh, \"plan\": plan}}) with a DeviceMesh (init_device_mesh) and a "
-                f"plan mapping module FQNs to ParallelStyles, e.g. {{\"fc1\": ColwiseParallel(), \"fc2\": "
-                f"RowwiseParallel()}} ({{}} for none); add \"simulate\": True with a MeshSpec to run every rank "
-                f"in one process")
+                f"fxshard backend: missing option(s) {missing}. Use torch.compile(model, "
+                'backend="fxshard", '
+                f'options={{"mesh": device_mesh, "plan": plan}}) with a DeviceMesh '
+                "(init_device_mesh) and a "
+                "plan mapping module FQNs to ParallelStyles, e.g. "
+                f'{{"fc1": ColwiseParallel(), "fc2": '
+                f'RowwiseParallel()}} ({{}} for none); add "simulate": True with a MeshSpec to run '
+                "every rank "
+                f"in one process"
+            )
         opts = cls(**options)
         if not isinstance(opts.plan, dict) and opts.plan != "auto":
-            raise TypeError(f"fxshard backend: plan must be a dict of module FQN -> ParallelStyle or \"auto\", got "
-                            f"{opts.plan!r}")
+            raise TypeError(
+                'fxshard backend: plan must be a dict of module FQN -> ParallelStyle or "auto", '
+                "got "
+                f"{opts.plan!r}"
+            )
         if isinstance(opts.mesh, (tuple, list)):
             opts.mesh = MeshSpec(tuple(opts.mesh))
         if isinstance(opts.mesh, MeshSpec) and not opts.simulate:
-            raise ValueError("fxshard backend: running needs a DeviceMesh (init_process_group + init_device_mesh); "
-                             "a MeshSpec only works with \"simulate\": True")
+            raise ValueError(
+                "fxshard backend: running needs a DeviceMesh (init_process_group + "
+                "init_device_mesh); "
+                'a MeshSpec only works with "simulate": True'
+            )
         if opts.fuse is not None:
             opts.multi_dim_collectives = api._multi_dim(opts.multi_dim_collectives, opts.fuse)
         return opts
@@ -99,21 +124,26 @@ class BackendOptions:
 
 
 class _PlanScope:
-    """The plan resolved against the top module of a compile (per options dict).  Graphs traced after
-    a graph break see submodules as frame locals (``L['layer']``): their FQNs get the submodule's
-    prefix in the top module (``layers.1.``)."""
+    """The plan resolved against the top module of a compile (per options dict).  Graphs traced
+    after a graph break see submodules as frame locals (``L['layer']``): their FQNs get the
+    submodule's prefix in the top module (``layers.1.``)."""
 
     def __init__(self):
         self.tops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def resolve(self, opts: BackendOptions, frame_modules: dict[str, nn.Module]) -> tuple[PlanConstraints, dict]:
+    def resolve(
+        self, opts: BackendOptions, frame_modules: dict[str, nn.Module]
+    ) -> tuple[PlanConstraints, dict]:
         mesh = opts.mesh_spec
         if not frame_modules:
             if opts.plan == "auto":
                 return resolve_plan("auto", None, mesh, opts.tp_dim), {}
             if opts.plan:
-                raise ValueError("fxshard backend: a module plan needs torch.compile of an nn.Module (this graph "
-                                 "has no module parameters); pass plan={} for plain functions")
+                raise ValueError(
+                    "fxshard backend: a module plan needs torch.compile of an nn.Module (this "
+                    "graph "
+                    "has no module parameters); pass plan={} for plain functions"
+                )
             return resolve_plan(None, None, mesh, opts.tp_dim), {}
         for top, cons in self.tops.items():
             roots = _prefixes(top, frame_modules)
@@ -127,12 +157,16 @@ class _PlanScope:
                 cons = resolve_plan(opts.plan, top, mesh, opts.tp_dim)
                 self.tops[top] = cons
                 return cons, roots
-        raise ValueError(f"fxshard backend: the graph uses modules {sorted(frame_modules)} that are not parts of one "
-                         f"module; compile the top-level module")
+        raise ValueError(
+            f"fxshard backend: the graph uses modules {sorted(frame_modules)} that are not parts "
+            "of one "
+            f"module; compile the top-level module"
+        )
 
 
 def _prefixes(top: nn.Module, frame_modules: dict[str, nn.Module]) -> dict[str, str] | None:
-    """{frame local: its FQN prefix in ``top``}, or None if some frame module is not inside ``top``."""
+    """{frame local: its FQN prefix in ``top``}, or None if some frame module is not inside
+    ``top``."""
     where = {id(m): name for name, m in top.named_modules()}
     out = {}
     for local, mod in frame_modules.items():
@@ -161,7 +195,9 @@ def _frame_modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
     names = set()
     for p in gm.graph.nodes:
         if p.op == "placeholder":
-            m = re.match(r"^L\['([^']+)'\]\._(modules|parameters|buffers)\[", placeholder_source(p) or "")
+            m = re.match(
+                r"^L\['([^']+)'\]\._(modules|parameters|buffers)\[", placeholder_source(p) or ""
+            )
             if m:
                 names.add(m.group(1))
     frame = dynamo_frame_locals()
@@ -169,9 +205,12 @@ def _frame_modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
 
 
 class ShardedGraph:
-    """What the backend hands dynamo for one graph: captures, shards and compiles per input signature."""
+    """What the backend hands dynamo for one graph: captures, shards and compiles per input
+    signature."""
 
-    def __init__(self, gm: fx.GraphModule, opts: BackendOptions, constraints: PlanConstraints, roots: dict):
+    def __init__(
+        self, gm: fx.GraphModule, opts: BackendOptions, constraints: PlanConstraints, roots: dict
+    ):
         self.gm = gm
         self.opts = opts
         self.constraints = constraints
@@ -179,24 +218,35 @@ class ShardedGraph:
         self.sources = dynamo_sources(gm)
         # Python numbers dynamo lifted to 0-d tensors are baked into the capture as constants: their
         # values are part of the signature a capture is reused for
-        self.baked = {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
-                      if any(u.op == "call_method" and u.target == "item" for u in p.users)}
+        self.baked = {
+            i
+            for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+            if any(u.op == "call_method" and u.target == "item" for u in p.users)
+        }
         out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         self.returns_sequence = isinstance(out, (tuple, list))
         self.num_outputs = len(out) if self.returns_sequence else 1
         self.entries: dict = {}
-        self._shards: dict[int, tuple] = {}  # arg index -> (weakref to the global tensor, version, local shard)
+        self._shards: dict[
+            int, tuple
+        ] = {}  # arg index -> (weakref to the global tensor, version, local shard)
         self.programs: list = []  # every ShardedProgram built (debugging: explain())
 
     def _key(self, args):
-        return tuple(((tuple(a.shape), a.dtype, a.device, a.item() if i in self.baked else None)
-                      if isinstance(a, torch.Tensor) else
-                      (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a)))
-                     for i, a in enumerate(args))
+        return tuple(
+            (
+                (tuple(a.shape), a.dtype, a.device, a.item() if i in self.baked else None)
+                if isinstance(a, torch.Tensor)
+                else (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
+            )
+            for i, a in enumerate(args)
+        )
 
     def __call__(self, *args):
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
-        training = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        training = torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        )
         key = (training, *self._key(args))
         entry = self.entries.get(key)
         if entry is None:
@@ -206,19 +256,38 @@ class ShardedGraph:
 
     def _build(self, args, training=False):
         opts = self.opts
-        # the batch is the leading dim of the first user input; other inputs (rope tables handed to a
-        # layer's frame after a graph break, masks) stay replicated on the data-parallel dims
-        first = next((a for a, src in zip(args, self.sources) if isinstance(a, torch.Tensor)
-                      and (source_fqn(src, self.roots)[0] if src else INPUT) == INPUT), None)
-        config = ShardConfig.make(opts.mesh, cost_model=opts.cost_model,
-                                  multi_dim_collectives=opts.multi_dim_collectives, bucket_bytes=opts.bucket_bytes,
-                                  batch_size=first.shape[0] if first is not None and first.ndim else None,
-                                  replicate_grads=training)  # gradients go back to the global tensors
+        # the batch is the leading dim of the first user input; other inputs (rope tables handed to
+        # a layer's frame after a graph break, masks) stay replicated on the data-parallel dims
+        first = next(
+            (
+                a
+                for a, src in zip(args, self.sources)
+                if isinstance(a, torch.Tensor)
+                and (source_fqn(src, self.roots)[0] if src else INPUT) == INPUT
+            ),
+            None,
+        )
+        config = ShardConfig.make(
+            opts.mesh,
+            cost_model=opts.cost_model,
+            multi_dim_collectives=opts.multi_dim_collectives,
+            bucket_bytes=opts.bucket_bytes,
+            batch_size=first.shape[0] if first is not None and first.ndim else None,
+            replicate_grads=training,
+        )  # gradients go back to the global tensors
         if opts.simulate:
             config = dataclasses.replace(config, device_mesh=None)
-        prog = api.shard_dynamo_graph(self.gm, args, config, self.constraints, roots=self.roots,
-                                      sources=self.sources, training=training, num_outputs=self.num_outputs,
-                                      auto_options=opts.auto_options)
+        prog = api.shard_dynamo_graph(
+            self.gm,
+            args,
+            config,
+            self.constraints,
+            roots=self.roots,
+            sources=self.sources,
+            training=training,
+            num_outputs=self.num_outputs,
+            auto_options=opts.auto_options,
+        )
         self.programs.append(prog)
         if training:
             return self._training_entry(prog, args)
@@ -245,8 +314,10 @@ class ShardedGraph:
         primals = [p for p in prog.placeholders if info(p).kind != TANGENT]
         index = [info(p).arg_index for p in primals]
         if self.opts.simulate:
+
             def run(a):
                 return list(SimulatedTraining.apply(prog, *[a[i] for i in index]))
+
             return run
         kinds = [info(p).kind for p in primals]
 
@@ -259,7 +330,9 @@ class ShardedGraph:
                     out.append(compiled.local_of(t, spec))
             return out
 
-        compiled = CompiledTraining(prog, self.opts.mesh, inductor=self.opts.inductor, localize=localize)
+        compiled = CompiledTraining(
+            prog, self.opts.mesh, inductor=self.opts.inductor, localize=localize
+        )
 
         def run(a):
             outs = compiled.apply([a[i] for i in index])
@@ -269,23 +342,33 @@ class ShardedGraph:
 
     def _cached_shard(self, i, t, spec, compiled):
         hit = self._shards.get(i)
-        if hit is not None and hit[0]() is t and hit[1] == (tensor_version(t), t.data_ptr()) \
-                and hit[2].shape == local_shape(spec):
+        if (
+            hit is not None
+            and hit[0]() is t
+            and hit[1] == (tensor_version(t), t.data_ptr())
+            and hit[2].shape == local_shape(spec)
+        ):
             return hit[2]
         local = compiled.local_of(t, spec)
         self._shards[i] = (weakref.ref(t), (tensor_version(t), t.data_ptr()), local)
         return local
 
 
-
-def fxshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+def fxshard_backend(
+    gm: fx.GraphModule, example_inputs: Sequence, options: dict | None = None, **kwargs
+) -> ShardedGraph:
     """``torch.compile(..., backend="fxshard", options={"mesh": ..., "plan": ...})``."""
     if kwargs:
-        raise ValueError(f"fxshard backend: unexpected arguments {sorted(kwargs)}; pass settings in options={{...}}")
+        raise ValueError(
+            f"fxshard backend: unexpected arguments {sorted(kwargs)}; pass settings in "
+            f"options={{...}}"
+        )
     opts = BackendOptions.parse(options)
     key = id(options)
     if key not in _SCOPES or _SCOPES[key][0] is not options:
-        while len(_SCOPES) >= 64:  # keep the newest compiles' scopes, not every options dict ever seen
+        while (
+            len(_SCOPES) >= 64
+        ):  # keep the newest compiles' scopes, not every options dict ever seen
             _SCOPES.pop(next(iter(_SCOPES)))
         _SCOPES[key] = (options, _PlanScope())
     constraints, roots = _SCOPES[key][1].resolve(opts, _frame_modules(gm))

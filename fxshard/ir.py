@@ -10,6 +10,7 @@ every stage needs (tensor inputs in the order sharding rules count them).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -35,8 +36,13 @@ class NodeKind(str, Enum):
         return self.value
 
 
-PARAM, BUFFER, CONSTANT, INPUT, TANGENT = (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT, NodeKind.INPUT,
-                                           NodeKind.TANGENT)
+PARAM, BUFFER, CONSTANT, INPUT, TANGENT = (
+    NodeKind.PARAM,
+    NodeKind.BUFFER,
+    NodeKind.CONSTANT,
+    NodeKind.INPUT,
+    NodeKind.TANGENT,
+)
 STATE_KINDS = (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT)
 GRAD_TAG = "grad:"  # boundary tag of a complete gradient: "grad:<forward node name>"
 
@@ -84,15 +90,20 @@ class Collective:
     node: str  # the redistribute node (planned), or the per-rank graph's collective node
     provenance: str  # why it is there: the consumer and its module / plan entry
     transition: str  # e.g. "S(1)R -> S(1)P" on the mesh dims moved
-    phase: str = "forward"  # "backward" for collectives that depend on an incoming gradient (training)
+    phase: str = (
+        "forward"  # "backward" for collectives that depend on an incoming gradient (training)
+    )
     carries: tuple = ()  # per-rank collectives: the planned ones they run
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on an incoming gradient (a tangent placeholder); empty for forward graphs."""
+    """Nodes that depend on an incoming gradient (a tangent placeholder); empty for forward
+    graphs."""
     seen: set[fx.Node] = set()
     for n in graph.nodes:
-        if (n.op == "placeholder" and info(n).kind == NodeKind.TANGENT) or any(a in seen for a in n.all_input_nodes):
+        if (n.op == "placeholder" and info(n).kind == NodeKind.TANGENT) or any(
+            a in seen for a in n.all_input_nodes
+        ):
             seen.add(n)
     return seen
 
@@ -105,7 +116,8 @@ def info(node: fx.Node) -> NodeInfo:
     return rec
 
 
-# ---- marker and redistribute ops -------------------------------------------------------------------
+# ---- marker and redistribute ops -----------------------------------------------------------------
+
 
 @torch.library.custom_op("fxshard::boundary", mutates_args=())
 def boundary(x: torch.Tensor, tag: str) -> torch.Tensor:
@@ -132,9 +144,10 @@ def redistribute(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# ---- arguments ------------------------------------------------------------------------------------
+# ---- arguments -----------------------------------------------------------------------------------
 
-def flat_args(x, out: list | None = None) -> list:
+
+def flat_args(x: object, out: list | None = None) -> list:
     """Leaves of nested lists / tuples / dicts in ``tree_flatten`` order (FX arguments hold only
     those containers; pytree's general machinery is the slow part of a pass over a large graph)."""
     out = [] if out is None else out
@@ -149,8 +162,9 @@ def flat_args(x, out: list | None = None) -> list:
     return out
 
 
-def arg_key(x, leaf):
-    """A hashable key of nested arguments: containers by type and length, leaves through ``leaf``."""
+def arg_key(x: object, leaf: Callable) -> object:
+    """A hashable key of nested arguments: containers by type and length, leaves through
+    ``leaf``."""
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, tuple(arg_key(y, leaf) for y in x))
     if isinstance(x, dict):
@@ -162,7 +176,9 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The node's tensor inputs in tree_flatten order of (args, kwargs) (what the rules count)."""
     leaves = flat_args(node.args)
     flat_args(node.kwargs, leaves)
-    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return [
+        a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
 
 
 def used_outputs(node: fx.Node) -> set[int]:
@@ -191,7 +207,7 @@ def where(rec: NodeInfo) -> str:
     return at + code
 
 
-def is_custom_op(op) -> bool:
+def is_custom_op(op: object) -> bool:
     """An operator outside aten / prims / fxshard (a user's, or a library's)."""
     name = getattr(op, "name", None)
     if not callable(name):

@@ -5,10 +5,10 @@ The returned module's parameters are this rank's shards only (plain tensors of l
 parameter at a time, so a model too large for one rank fits; its values then come from
 ``load_full_state_dict`` (streamed: one global tensor at a time) or an ``init_fn``.
 
-Calling the module captures the model (on fake tensors: no memory) for the input shapes at hand, shards
-it with the same plan, compiles the per-rank program with Inductor and runs it on the local shards.
-Inputs are the global values (every rank passes the same); outputs are this rank's shards of the
-results (``output_specs``), i.e. the global values for replicated outputs.
+Calling the module captures the model (on fake tensors: no memory) for the input shapes at hand,
+shards it with the same plan, compiles the per-rank program with Inductor and runs it on the local
+shards. Inputs are the global values (every rank passes the same); outputs are this rank's shards of
+the results (``output_specs``), i.e. the global values for replicated outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import api
 from ._torch import Replicate, fake_mode, set_module_tensor
 from .core.config import DEFAULT_BUCKET_BYTES
-from .core.cost import CostModel
+from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
 from .ir import INPUT, STATE_KINDS, info
@@ -41,26 +42,46 @@ def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, model: nn.Module, device_mesh, plan: dict, *, tp_dim: int | str | None = None,
-                 multi_dim_collectives: bool = True, fuse: bool | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, cost_model=None, inductor: bool = True,
-                 init_fn: Callable | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        device_mesh: DeviceMesh,
+        plan: dict,
+        *,
+        tp_dim: int | str | None = None,
+        multi_dim_collectives: bool = True,
+        fuse: bool | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        cost_model: CostModelLike | None = None,
+        inductor: bool = True,
+        init_fn: Callable | None = None,
+    ):
         super().__init__()
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("fxshard.parallelize needs an initialised process group and a DeviceMesh")
-        if plan == "auto" or (isinstance(plan, dict) and "auto" in [s for s in plan.values() if isinstance(s, str)]):
-            raise ValueError("fxshard.parallelize shards the parameters when it is built, before any input is seen, "
-                             "so it needs a plan that places them; for plan=\"auto\" use torch.compile(model, "
-                             "backend=\"fxshard\", options={\"mesh\": ..., \"plan\": \"auto\"}) or fxshard.shard")
+            raise RuntimeError(
+                "fxshard.parallelize needs an initialised process group and a DeviceMesh"
+            )
+        if plan == "auto" or (
+            isinstance(plan, dict) and "auto" in [s for s in plan.values() if isinstance(s, str)]
+        ):
+            raise ValueError(
+                "fxshard.parallelize shards the parameters when it is built, before any input is "
+                "seen, "
+                'so it needs a plan that places them; for plan="auto" use torch.compile(model, '
+                'backend="fxshard", options={"mesh": ..., "plan": "auto"}) or fxshard.shard'
+            )
         self.module = model
         self.device_mesh = device_mesh
         self.mesh = MeshSpec.from_device_mesh(device_mesh)
         self.plan = plan
         self.tp_dim = tp_dim
-        self.options = dict(multi_dim_collectives=api._multi_dim(multi_dim_collectives, fuse),
-                            bucket_bytes=bucket_bytes, cost_model=cost_model or CostModel(self.mesh))
+        self.options = dict(
+            multi_dim_collectives=api._multi_dim(multi_dim_collectives, fuse),
+            bucket_bytes=bucket_bytes,
+            cost_model=cost_model or CostModel(self.mesh),
+        )
         self.inductor = inductor
         self.device = device_of(device_mesh)
         coord = device_mesh.get_coordinate()
@@ -74,11 +95,12 @@ class ParallelModule(nn.Module):
         self._materialise(init_fn)
         self._programs: dict = {}
 
-    # ---- sharding the state -------------------------------------------------------------------------
+    # ---- sharding the state ----------------------------------------------------------------------
     def _materialise(self, init_fn):
         model = self.module
-        entries = [(f, t, True) for f, t in model.named_parameters(remove_duplicate=False)] + \
-                  [(f, t, False) for f, t in model.named_buffers(remove_duplicate=False)]
+        entries = [(f, t, True) for f, t in model.named_parameters(remove_duplicate=False)] + [
+            (f, t, False) for f, t in model.named_buffers(remove_duplicate=False)
+        ]
         shared: dict[int, tuple] = {}  # tied tensors: every alias gets the first FQN's shard
         problem = PlacementProblem(self.mesh, self.options["cost_model"], self.constraints)
         for fqn, t, is_param in entries:
@@ -108,7 +130,10 @@ class ParallelModule(nn.Module):
             else:
                 set_module_tensor(owner, name, local, parameter=False)
             shared[id(t)] = (fqn, local)
-            del t, local  # a global tensor is freed as soon as its shard replaces it (and its aliases')
+            del (
+                t,
+                local,
+            )  # a global tensor is freed as soon as its shard replaces it (and its aliases')
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer as its global tensor (gathered; on every rank)."""
@@ -122,25 +147,35 @@ class ParallelModule(nn.Module):
             if all(not lv for lv in spec.levels):
                 out[fqn] = local.clone()
                 continue
-            full = ShardingSpec.make(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
+            full = ShardingSpec.make(
+                spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype
+            )
             plan = plan_between(spec, full, self.options["cost_model"])
             out[fqn] = execute_plan(plan, local.contiguous(), groups, self.coord)
         return out
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load global tensors: each rank copies its own shard (non-persistent buffers may be given too)."""
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Load global tensors: each rank copies its own shard (non-persistent buffers may be given
+        too)."""
         unexpected = sorted(set(state_dict) - set(self.specs))
         missing = sorted(set(self.module.state_dict(keep_vars=True)) - set(state_dict))
         if strict and (unexpected or missing):
-            raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            raise KeyError(
+                f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
         with torch.no_grad():
             for fqn, full in state_dict.items():
                 if fqn not in self.specs:
                     continue
                 spec = self.specs[fqn]
                 if tuple(full.shape) != spec.shape:
-                    raise ValueError(f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, the model's is "
-                                     f"{spec.shape}")
+                    raise ValueError(
+                        f"load_full_state_dict: {fqn} has shape {tuple(full.shape)}, the model's "
+                        "is "
+                        f"{spec.shape}"
+                    )
                 self._local(fqn).copy_(spec.local_of(full.to(self.device), self.coord))
                 self.uninitialised.discard(fqn)
 
@@ -152,7 +187,7 @@ class ParallelModule(nn.Module):
         """Bytes of parameters and buffers this rank holds."""
         return sum(self._local(f).numel() * self._local(f).element_size() for f in self.specs)
 
-    # ---- running ------------------------------------------------------------------------------------
+    # ---- running ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _global_meta_state(self, mode):
         """Swap every local shard for a fake tensor of the global shape while capturing (fake, not
@@ -165,8 +200,12 @@ class ParallelModule(nn.Module):
             with mode:
                 meta = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             is_param = isinstance(local, nn.Parameter)
-            set_module_tensor(owner, name, nn.Parameter(meta, requires_grad=local.requires_grad) if is_param else meta,
-                              parameter=is_param)
+            set_module_tensor(
+                owner,
+                name,
+                nn.Parameter(meta, requires_grad=local.requires_grad) if is_param else meta,
+                parameter=is_param,
+            )
             saved.append((owner, name, local, is_param))
         try:
             yield
@@ -178,32 +217,55 @@ class ParallelModule(nn.Module):
         """The ShardedProgram (and its compiled form) for inputs of these shapes."""
         for x in inputs:
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"fxshard.parallelize: forward takes tensors only (got {type(x).__name__}); bind "
-                                f"other arguments in the module")
+                raise TypeError(
+                    f"fxshard.parallelize: forward takes tensors only (got {type(x).__name__}); "
+                    "bind "
+                    f"other arguments in the module"
+                )
         # what the captured program depends on besides shapes: which parameters train, and each
         # submodule's train/eval mode (dropout, norms)
-        key = (training, tuple(p.requires_grad for p in self.module.parameters()),
-               tuple(m.training for m in self.module.modules()),
-               *((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs))
+        key = (
+            training,
+            tuple(p.requires_grad for p in self.module.parameters()),
+            tuple(m.training for m in self.module.modules()),
+            *((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
+        )
         hit = self._programs.get(key)
         if hit is not None:
             return hit
         fm = fake_mode(allow_non_fake_inputs=True)
         with fm:
-            meta_inputs = [torch.empty(x.shape, dtype=x.dtype, device=self.device).requires_grad_(x.requires_grad)
-                           if isinstance(x, torch.Tensor) else x for x in inputs]
+            meta_inputs = [
+                torch.empty(x.shape, dtype=x.dtype, device=self.device).requires_grad_(
+                    x.requires_grad
+                )
+                if isinstance(x, torch.Tensor)
+                else x
+                for x in inputs
+            ]
         with self._global_meta_state(fm):
-            prog = api.shard(self.module, self.mesh, self.plan, example_inputs=meta_inputs, tp_dim=self.tp_dim,
-                             training=training, **self.options)
+            prog = api.shard(
+                self.module,
+                self.mesh,
+                self.plan,
+                example_inputs=meta_inputs,
+                tp_dim=self.tp_dim,
+                training=training,
+                **self.options,
+            )
         for p in prog.placeholders:
             rec = info(p)
             if rec.kind in STATE_KINDS and rec.spec != self.specs[rec.fqn]:
-                raise AssertionError(f"fxshard.parallelize: {rec.fqn} was sharded as {self.specs[rec.fqn]} but the "
-                                     f"program wants {rec.spec}")
+                raise AssertionError(
+                    f"fxshard.parallelize: {rec.fqn} was sharded as {self.specs[rec.fqn]} but the "
+                    f"program wants {rec.spec}"
+                )
         if training:
             compiled = CompiledTraining(prog, self.device_mesh, inductor=self.inductor)
         else:
-            compiled = CompiledProgram(prog, self.device_mesh, inductor=self.inductor, own_state=False)
+            compiled = CompiledProgram(
+                prog, self.device_mesh, inductor=self.inductor, own_state=False
+            )
         self._programs[key] = (prog, compiled)
         return prog, compiled
 
@@ -213,15 +275,20 @@ class ParallelModule(nn.Module):
         if not self._programs:
             return None
         prog = list(self._programs.values())[-1][0]
-        return prog.output_specs[:sum(r[0] == "output" for r in prog.output_roles())]
+        return prog.output_specs[: sum(r[0] == "output" for r in prog.output_roles())]
 
     def forward(self, *inputs):
         if self.uninitialised:
-            raise RuntimeError(f"fxshard.parallelize: {len(self.uninitialised)} tensors of the meta-built model have "
-                               f"no values yet (e.g. {sorted(self.uninitialised)[:3]}); call "
-                               f"load_full_state_dict(...) or pass init_fn= to parallelize")
-        training = torch.is_grad_enabled() and (any(p.requires_grad for p in self.parameters()) or any(
-            isinstance(x, torch.Tensor) and x.requires_grad for x in inputs))
+            raise RuntimeError(
+                f"fxshard.parallelize: {len(self.uninitialised)} tensors of the meta-built model "
+                "have "
+                f"no values yet (e.g. {sorted(self.uninitialised)[:3]}); call "
+                f"load_full_state_dict(...) or pass init_fn= to parallelize"
+            )
+        training = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters())
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+        )
         prog, compiled = self.program_for(*inputs, training=training)
         args = []
         for p in prog.placeholders:
@@ -237,11 +304,10 @@ class ParallelModule(nn.Module):
         return prog.restructure(compiled.run_local(args))
 
 
-
-def parallelize(model: nn.Module, device_mesh, plan: dict, **kwargs) -> ParallelModule:
+def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs) -> ParallelModule:
     """``model`` with every parameter replaced by this rank's shard (see the module docstring).
 
-    ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``, ``inductor``
-    (False: run the per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)`` (fills shards of a
-    meta-built model)."""
+    ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``,
+    ``inductor`` (False: run the per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)``
+    (fills shards of a meta-built model)."""
     return ParallelModule(model, device_mesh, plan, **kwargs)

@@ -14,10 +14,14 @@ import json
 import logging
 import re
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from ._torch import is_op_overload, trace_artifact
 from .core.spec import levels_to_placements, placements_str
 from .ir import info
+
+if TYPE_CHECKING:  # annotations only
+    from .runtime.program import ShardedProgram
 
 log = logging.getLogger("fxshard")
 
@@ -45,8 +49,14 @@ class Row:
 
     def key(self):
         """What must match for two layers' rows to fold (everything but the layer index)."""
-        return (_INDEX.sub(".#", self.module), _INDEX.sub(".#", self.op), self.placements, self.where,
-                _INDEX.sub(".#", self.why), tuple(self.collectives))
+        return (
+            _INDEX.sub(".#", self.module),
+            _INDEX.sub(".#", self.op),
+            self.placements,
+            self.where,
+            _INDEX.sub(".#", self.why),
+            tuple(self.collectives),
+        )
 
 
 def _redistribute_text(plan) -> str:
@@ -71,7 +81,7 @@ def _consumer(n):
     return n
 
 
-def node_rows(prog, verbose: bool = False) -> list[Row]:
+def node_rows(prog: ShardedProgram, verbose: bool = False) -> list[Row]:
     rows = []
     for n in prog.global_graph.graph.nodes:
         rec = info(n)
@@ -79,25 +89,40 @@ def node_rows(prog, verbose: bool = False) -> list[Row]:
             continue
         if rec.kind == "redistribute":
             plan = rec.plan
-            colls = [(step.collective, step.mesh_dims, nbytes, round(step.cost, 2))
-                     for step, nbytes in plan.collective_bytes()]
+            colls = [
+                (step.collective, step.mesh_dims, nbytes, round(step.cost, 2))
+                for step, nbytes in plan.collective_bytes()
+            ]
             first = next(iter(n.users))
             if info(first).kind == "boundary" and info(first).provenance != "passthrough":
                 why = info(first).provenance  # the plan entry that asked for it
             else:
                 why = f"{_op_name(_consumer(n))} needs {_pl(rec.spec)}"
-            rows.append(Row(rec.module, "redistribute", _redistribute_text(plan), rec.source, why, n.name,
-                            colls, plan.cost))
+            rows.append(
+                Row(
+                    rec.module,
+                    "redistribute",
+                    _redistribute_text(plan),
+                    rec.source,
+                    why,
+                    n.name,
+                    colls,
+                    plan.cost,
+                )
+            )
         elif n.op == "placeholder":
             module = rec.fqn.rsplit(".", 1)[0] if rec.fqn and "." in rec.fqn else ""
             what = f"{rec.kind} {rec.fqn}" if rec.fqn else f"input {rec.input_index}"
             rows.append(Row(module, what, _pl(rec.spec), "", rec.provenance, n.name))
         else:
-            important = rec.provenance.startswith(("fallback", "factory")) or \
-                (rec.kind == "boundary" and rec.provenance != "passthrough")
+            important = rec.provenance.startswith(("fallback", "factory")) or (
+                rec.kind == "boundary" and rec.provenance != "passthrough"
+            )
             if not (verbose or important):
                 continue
-            rows.append(Row(rec.module, _op_name(n), _pl(rec.spec), rec.source, rec.provenance, n.name))
+            rows.append(
+                Row(rec.module, _op_name(n), _pl(rec.spec), rec.source, rec.provenance, n.name)
+            )
     return rows
 
 
@@ -123,17 +148,18 @@ def fold(rows: list[Row]) -> list[Row]:
             out.append(rows[i])
             i += 1
             continue
-        container = rows[i].module[:m.start()]
+        container = rows[i].module[: m.start()]
+
         # the block of rows belonging to layer idx
         def block(start, container=container):
             mm = _INDEX.search(rows[start].module)
-            if not mm or rows[start].module[:mm.start()] != container:
+            if not mm or rows[start].module[: mm.start()] != container:
                 return None, start
             idx = mm.group(1)
             j = start
             while j < len(rows):
                 m2 = _INDEX.search(rows[j].module)
-                if not m2 or rows[j].module[:m2.start()] != container or m2.group(1) != idx:
+                if not m2 or rows[j].module[: m2.start()] != container or m2.group(1) != idx:
                     break
                 j += 1
             return int(idx), j
@@ -144,20 +170,22 @@ def fold(rows: list[Row]) -> list[Row]:
             idx, nxt = block(end)
             if idx is None or idx != blocks[-1][0] + 1:
                 break
-            a = [r.key() for r in rows[blocks[0][1]:blocks[0][2]]]
+            a = [r.key() for r in rows[blocks[0][1] : blocks[0][2]]]
             b = [r.key() for r in rows[end:nxt]]
             if a != b:
                 break
             blocks.append((idx, end, nxt))
             end = nxt
         if len(blocks) == 1:
-            out.extend(rows[i:blocks[0][2]])
+            out.extend(rows[i : blocks[0][2]])
             i = blocks[0][2]
             continue
         lo, hi = blocks[0][0], blocks[-1][0]
-        for r in rows[blocks[0][1]:blocks[0][2]]:
+        for r in rows[blocks[0][1] : blocks[0][2]]:
             r2 = Row(**{**asdict(r)})
-            r2.module = re.sub(rf"^{re.escape(container)}\.{lo}(?=\.|$)", f"{container}.{lo}-{hi}", r.module)
+            r2.module = re.sub(
+                rf"^{re.escape(container)}\.{lo}(?=\.|$)", f"{container}.{lo}-{hi}", r.module
+            )
             r2.why = r.why.replace(f"{container}.{lo}.", f"{container}.{lo}-{hi}.")
             r2.op = r.op.replace(f"{container}.{lo}.", f"{container}.{lo}-{hi}.")
             r2.node = f"{r.node} (x{len(blocks)})"
@@ -170,7 +198,7 @@ def _fmt_colls(colls) -> str:
     return "; ".join(f"{k}{list(d)} {b}B {c:.2f}us" for k, d, b, c in colls)
 
 
-def summary(prog, phase: str | None = None) -> dict:
+def summary(prog: ShardedProgram, phase: str | None = None) -> dict:
     """{kind: {count, bytes, us}} of what the per-rank graph runs (``phase``: only "forward" or
     "backward" collectives)."""
     kinds: dict[str, list] = {}
@@ -181,7 +209,9 @@ def summary(prog, phase: str | None = None) -> dict:
         k[0] += 1
         k[1] += c.bytes
         k[2] += c.cost
-    return {k: {"count": v[0], "bytes": v[1], "us": round(v[2], 2)} for k, v in sorted(kinds.items())}
+    return {
+        k: {"count": v[0], "bytes": v[1], "us": round(v[2], 2)} for k, v in sorted(kinds.items())
+    }
 
 
 def _phase_lines(prog) -> list[str]:
@@ -189,17 +219,26 @@ def _phase_lines(prog) -> list[str]:
     lines = []
     for phase in ("forward", "backward"):
         s = summary(prog, phase)
-        if not s and (phase == "backward" or any(c.phase == "backward" for c in prog.collectives())):
+        if not s and (
+            phase == "backward" or any(c.phase == "backward" for c in prog.collectives())
+        ):
             continue
         total_b = sum(v["bytes"] for v in s.values())
         total_us = sum(v["us"] for v in s.values())
-        lines.append(f"{phase}: " + (", ".join(f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)"
-                                               for k, v in s.items()) or "no collectives")
-                     + (f"; total {total_b} B, {total_us:.2f} us per step" if s else ""))
+        lines.append(
+            f"{phase}: "
+            + (
+                ", ".join(
+                    f"{k} x{v['count']} ({v['bytes']} B, {v['us']:.2f} us)" for k, v in s.items()
+                )
+                or "no collectives"
+            )
+            + (f"; total {total_b} B, {total_us:.2f} us per step" if s else "")
+        )
     return lines
 
 
-def explain(prog, verbose: bool = False, format: str = "text") -> str:
+def explain(prog: ShardedProgram, verbose: bool = False, format: str = "text") -> str:
     if format == "json":
         return to_json(prog, verbose)
     if format == "html":
@@ -208,10 +247,15 @@ def explain(prog, verbose: bool = False, format: str = "text") -> str:
         raise ValueError(f"explain: unknown format {format!r}; use text, json or html")
     rows = fold(node_rows(prog, verbose))
     head = ("module", "op", "placements", "where", "why", "collectives")
-    table = [head] + [(r.module or "-", r.op, r.placements, r.where, r.why, _fmt_colls(r.collectives))
-                      for r in rows]
+    table = [head] + [
+        (r.module or "-", r.op, r.placements, r.where, r.why, _fmt_colls(r.collectives))
+        for r in rows
+    ]
     widths = [max(len(t[i]) for t in table) for i in range(len(head))]
-    lines = [f"fxshard plan on mesh {prog.mesh.shape}" + (f" {prog.mesh.names}" if prog.mesh.names else "")]
+    lines = [
+        f"fxshard plan on mesh {prog.mesh.shape}"
+        + (f" {prog.mesh.names}" if prog.mesh.names else "")
+    ]
     for t in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
     lines.append("")
@@ -221,13 +265,15 @@ def explain(prog, verbose: bool = False, format: str = "text") -> str:
     for m in missed_fusions(prog):
         lines.append(f"missed fusion: {m}")
     if prog.bucketed:
-        lines.append(f"bucketed: {prog.bucketed} collectives merged into others in the per-rank graph")
+        lines.append(
+            f"bucketed: {prog.bucketed} collectives merged into others in the per-rank graph"
+        )
     return "\n".join(lines)
 
 
-def missed_fusions(prog) -> list[str]:
-    """Runs of same-kind collectives on different mesh dims inside one redistribute that one collective
-    over the flattened dims could have done, with the reason they were not fused."""
+def missed_fusions(prog: ShardedProgram) -> list[str]:
+    """Runs of same-kind collectives on different mesh dims inside one redistribute that one
+    collective over the flattened dims could have done, with the reason they were not fused."""
     out = []
     fuse = prog.config.multi_dim_collectives
     for n in prog.global_graph.graph.nodes:
@@ -244,42 +290,59 @@ def missed_fusions(prog) -> list[str]:
                     why = "strided levels are not fused"
                 else:
                     why = "cheaper unfused under the cost model"
-                out.append(f"{where}{n.name} {a.collective} on mesh dims {list(a.mesh_dims)} then "
-                           f"{list(b.mesh_dims)} ({why})")
+                out.append(
+                    f"{where}{n.name} {a.collective} on mesh dims {list(a.mesh_dims)} then "
+                    f"{list(b.mesh_dims)} ({why})"
+                )
     return out
 
 
-def to_json(prog, verbose: bool = False) -> str:
+def to_json(prog: ShardedProgram, verbose: bool = False) -> str:
     rows = fold(node_rows(prog, verbose))
-    return json.dumps({
-        "mesh": {"shape": list(prog.mesh.shape), "names": list(prog.mesh.names or [])},
-        "rows": [asdict(r) for r in rows],
-        "collectives": [asdict(c) for c in prog.collectives()],
-        "summary": summary(prog),
-        "phases": {ph: summary(prog, ph) for ph in ("forward", "backward")},
-        "fallbacks": list(prog.warnings),
-    }, indent=1)
+    return json.dumps(
+        {
+            "mesh": {"shape": list(prog.mesh.shape), "names": list(prog.mesh.names or [])},
+            "rows": [asdict(r) for r in rows],
+            "collectives": [asdict(c) for c in prog.collectives()],
+            "summary": summary(prog),
+            "phases": {ph: summary(prog, ph) for ph in ("forward", "backward")},
+            "fallbacks": list(prog.warnings),
+        },
+        indent=1,
+    )
 
 
-def to_html(prog, verbose: bool = False) -> str:
-    """A self-contained page: the plan table and a per-layer timeline of collectives (inline SVG)."""
+def to_html(prog: ShardedProgram, verbose: bool = False) -> str:
+    """A self-contained page: the plan table and a per-layer timeline of collectives (inline
+    SVG)."""
     rows = fold(node_rows(prog, verbose))
     colls = prog.collectives()
     e = html.escape
-    body = ["<table><tr><th>module</th><th>op</th><th>placements</th><th>where</th><th>why</th>"
-            "<th>collectives</th></tr>"]
+    body = [
+        "<table><tr><th>module</th><th>op</th><th>placements</th><th>where</th><th>why</th>"
+        "<th>collectives</th></tr>"
+    ]
     for r in rows:
         cls = ' class="redist"' if r.collectives else ""
-        body.append(f"<tr{cls}><td>{e(r.module or '-')}</td><td>{e(r.op)}</td><td>{e(r.placements)}</td>"
-                    f"<td>{e(r.where)}</td><td>{e(r.why)}</td><td>{e(_fmt_colls(r.collectives))}</td></tr>")
+        body.append(
+            f"<tr{cls}><td>{e(r.module or '-')}</td><td>{e(r.op)}</td><td>{e(r.placements)}</td>"
+            f"<td>{e(r.where)}</td><td>{e(r.why)}</td><td>{e(_fmt_colls(r.collectives))}</td></tr>"
+        )
     body.append("</table>")
     # timeline: one lane per layer (module prefix up to the layer index), bars in program order
     lanes: dict[str, list] = {}
     for c in colls:
         m = _INDEX.search(c.provenance.split(":")[0])
-        lane = c.provenance.split(":")[0][:m.end()] if m else (c.provenance.split(":")[0] or "(top)")
+        lane = (
+            c.provenance.split(":")[0][: m.end()] if m else (c.provenance.split(":")[0] or "(top)")
+        )
         lanes.setdefault(lane, []).append(c)
-    colors = {"all_gather": "#4e79a7", "reduce_scatter": "#f28e2b", "all_reduce": "#e15759", "all_to_all": "#76b7b2"}
+    colors = {
+        "all_gather": "#4e79a7",
+        "reduce_scatter": "#f28e2b",
+        "all_reduce": "#e15759",
+        "all_to_all": "#76b7b2",
+    }
     scale = 600.0 / max(1e-9, max((sum(c.cost for c in v) for v in lanes.values()), default=1.0))
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="820" height="{24 * len(lanes) + 10}">']
     for i, (lane, cs) in enumerate(lanes.items()):
@@ -288,25 +351,35 @@ def to_html(prog, verbose: bool = False) -> str:
         x = 200.0
         for c in cs:
             w = max(1.0, c.cost * scale)
-            svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="18" fill="{colors.get(c.kind, "#999")}">'
-                       f'<title>{e(c.kind)} mesh dims {list(c.mesh_dims)} {c.bytes} B {c.cost:.2f} us '
-                       f'{e(c.provenance)}</title></rect>')
+            svg.append(
+                f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="18" '
+                f'fill="{colors.get(c.kind, "#999")}">'
+                f"<title>{e(c.kind)} mesh dims {list(c.mesh_dims)} {c.bytes} B {c.cost:.2f} us "
+                f"{e(c.provenance)}</title></rect>"
+            )
             x += w
     svg.append("</svg>")
     foot = "; ".join(_phase_lines(prog))
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>fxshard plan</title><style>"
-            "body{font-family:monospace;font-size:12px} table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left} tr.redist{background:#fff3e0}"
-            "</style></head><body>"
-            f"<h3>fxshard plan on mesh {e(str(prog.mesh.shape))}</h3>"
-            f"<p>{e(foot)}</p>" + "".join(svg) + "".join(body) +
-            "".join(f"<p>fallback: {e(w)}</p>" for w in prog.warnings) + "</body></html>")
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>fxshard plan</title><style>"
+        "body{font-family:monospace;font-size:12px} table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left} tr.redist{background:#fff3e0}"
+        "</style></head><body>"
+        f"<h3>fxshard plan on mesh {e(str(prog.mesh.shape))}</h3>"
+        f"<p>{e(foot)}</p>"
+        + "".join(svg)
+        + "".join(body)
+        + "".join(f"<p>fallback: {e(w)}</p>" for w in prog.warnings)
+        + "</body></html>"
+    )
 
 
 # ---- diff ----------------------------------------------------------------------------------------
 
+
 def _diff_rows(prog) -> dict:
-    """{op node name: (module, op, placements, incoming collectives, cost)} for every ATen op node."""
+    """{op node name: (module, op, placements, incoming collectives, cost)} for every ATen op
+    node."""
     incoming: dict[str, list] = {}
     costs: dict[str, float] = {}
     for n in prog.global_graph.graph.nodes:
@@ -316,22 +389,34 @@ def _diff_rows(prog) -> dict:
         cons = _consumer(n)
         plan = rec.plan
         for step, nbytes in plan.collective_bytes():
-            incoming.setdefault(cons.name, []).append(f"{step.collective}{list(step.mesh_dims)} {nbytes}B")
+            incoming.setdefault(cons.name, []).append(
+                f"{step.collective}{list(step.mesh_dims)} {nbytes}B"
+            )
         costs[cons.name] = costs.get(cons.name, 0.0) + plan.cost
     out = {}
     for n in prog.global_graph.graph.nodes:
         rec = info(n)
         if n.op != "call_function" or rec.kind in ("redistribute", "boundary"):
             continue
-        out[n.name] = (rec.module, _op_name(n), _pl(rec.spec), tuple(incoming.get(n.name, ())),
-                       costs.get(n.name, 0.0))
+        out[n.name] = (
+            rec.module,
+            _op_name(n),
+            _pl(rec.spec),
+            tuple(incoming.get(n.name, ())),
+            costs.get(n.name, 0.0),
+        )
     out_node = next(n for n in prog.global_graph.graph.nodes if n.op == "output")
-    out["output"] = ("", "output", _pl(info(out_node).input_specs), tuple(incoming.get("output", ())),
-                     costs.get("output", 0.0))
+    out["output"] = (
+        "",
+        "output",
+        _pl(info(out_node).input_specs),
+        tuple(incoming.get("output", ())),
+        costs.get("output", 0.0),
+    )
     return out
 
 
-def diff(a, b, names=("a", "b")) -> str:
+def diff(a: ShardedProgram, b: ShardedProgram, names: tuple[str, str] = ("a", "b")) -> str:
     """Unified-diff-style comparison of two programs of the same model: only ops whose placements or
     incoming collectives differ, runs of ops with the same change merged, repeated layers folded,
     with the modelled cost delta per row and in total."""
@@ -346,8 +431,13 @@ def diff(a, b, names=("a", "b")) -> str:
         plus = "-" if y is None else y[2] + (f"  <- {'; '.join(y[3])}" if y[3] else "")
         delta = (y[4] if y else 0.0) - (x[4] if x else 0.0)
         prev = changed[-1] if changed else None
-        if prev is not None and prev.module == module and prev.placements == f"{minus}\n{plus}" \
-                and "<-" not in prev.placements and abs(delta) < 1e-9:
+        if (
+            prev is not None
+            and prev.module == module
+            and prev.placements == f"{minus}\n{plus}"
+            and "<-" not in prev.placements
+            and abs(delta) < 1e-9
+        ):
             prev.op += f", {op}"
             continue
         changed.append(Row(module, op, f"{minus}\n{plus}", cost=delta))
@@ -359,13 +449,17 @@ def diff(a, b, names=("a", "b")) -> str:
         minus, plus = r.placements.split("\n")
         mult = _layers(r.module)
         total += r.cost * mult
-        lines.append(f"@@ {r.module or '-'}: {r.op} @@ {r.cost:+.2f} us" + (f" x{mult}" if mult > 1 else ""))
+        lines.append(
+            f"@@ {r.module or '-'}: {r.op} @@ {r.cost:+.2f} us" + (f" x{mult}" if mult > 1 else "")
+        )
         lines.append(f"-{minus}")
         lines.append(f"+{plus}")
     sa = sum(v["us"] for v in summary(a).values())
     sb = sum(v["us"] for v in summary(b).values())
-    head = [f"--- {names[0]} (mesh {a.mesh.shape}, {sa:.2f} us of collectives)",
-            f"+++ {names[1]} (mesh {b.mesh.shape}, {sb:.2f} us of collectives)"]
+    head = [
+        f"--- {names[0]} (mesh {a.mesh.shape}, {sa:.2f} us of collectives)",
+        f"+++ {names[1]} (mesh {b.mesh.shape}, {sb:.2f} us of collectives)",
+    ]
     return "\n".join(head + lines + [f"total: {sb - sa:+.2f} us ({sa:.2f} -> {sb:.2f})"])
 
 
@@ -376,7 +470,8 @@ def _layers(module: str) -> int:
 
 # ---- logging -------------------------------------------------------------------------------------
 
-def log_program(prog) -> None:
+
+def log_program(prog: ShardedProgram) -> None:
     """Plan summary on the ``fxshard`` logger (``TORCH_LOGS=fxshard``) and as a structured-trace
     artifact (``TORCH_TRACE``; tlparse shows it)."""
     if log.isEnabledFor(logging.INFO):

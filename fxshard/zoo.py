@@ -25,30 +25,30 @@ from torch.distributed.tensor.parallel import (
 
 
 class MLP(nn.Module):
-    def __init__(self, dim=16, hidden=32):
+    def __init__(self, dim: int = 16, hidden: int = 32):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.relu(self.fc1(x)))
 
 
 class MegatronMLP(nn.Module):
     """SwiGLU feed-forward (w2(silu(w1 x) * w3 x)), no bias: Llama's FFN."""
 
-    def __init__(self, dim=16, hidden=32):
+    def __init__(self, dim: int = 16, hidden: int = 32):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class MultiHeadAttention(nn.Module):
-    def __init__(self, dim=32, n_heads=4):
+    def __init__(self, dim: int = 32, n_heads: int = 4):
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = dim // n_heads
@@ -57,7 +57,7 @@ class MultiHeadAttention(nn.Module):
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
@@ -80,22 +80,22 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(head_dim, max_seq_len, theta):
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return torch.cos(angles), torch.sin(angles)
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (b, s, h, d); rotate pairs (x[2i], x[2i+1]) by the position's angle."""
     b, s, h, d = x.shape
     xp = x.reshape(b, s, h, d // 2, 2)
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -124,8 +124,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:  # grouped-query attention: every kv head serves `rep` query heads
-            k = k.unsqueeze(3).expand(b, s, k.shape[2], rep, self.head_dim).reshape(b, s, -1, self.head_dim)
-            v = v.unsqueeze(3).expand(b, s, v.shape[2], rep, self.head_dim).reshape(b, s, -1, self.head_dim)
+            k = (
+                k.unsqueeze(3)
+                .expand(b, s, k.shape[2], rep, self.head_dim)
+                .reshape(b, s, -1, self.head_dim)
+            )
+            v = (
+                v.unsqueeze(3)
+                .expand(b, s, v.shape[2], rep, self.head_dim)
+                .reshape(b, s, -1, self.head_dim)
+            )
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(o.transpose(1, 2).reshape(b, s, -1))
@@ -139,7 +147,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = MegatronMLP(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -157,7 +165,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope_cos, self.rope_sin)
@@ -172,7 +180,7 @@ def _eager_step() -> None:
 class GraphBreakLlama(Llama):
     """Llama whose forward breaks dynamo's graph after the first layer (a print, in real models)."""
 
-    def forward(self, tokens):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = layer(h, self.rope_cos, self.rope_sin)
@@ -182,13 +190,13 @@ class GraphBreakLlama(Llama):
 
 
 class ConvNet(nn.Module):
-    def __init__(self, channels=8, classes=10):
+    def __init__(self, channels: int = 8, classes: int = 10):
         super().__init__()
         self.conv1 = nn.Conv2d(3, channels, 3, padding=1)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
         self.fc = nn.Linear(channels * 4 * 4, classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc(x.flatten(1))
@@ -203,7 +211,10 @@ class UnevenMLP(MLP):
 
 # ---- example inputs ------------------------------------------------------------------------------
 
-def example_input(model: nn.Module, batch=4, seq=8, generator=None):
+
+def example_input(
+    model: nn.Module, batch: int = 4, seq: int = 8, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, ...]:
     g = generator
     if isinstance(model, Llama):
         return (torch.randint(0, model.cfg.vocab_size, (batch, seq), generator=g),)
@@ -217,7 +228,8 @@ def example_input(model: nn.Module, batch=4, seq=8, generator=None):
     raise TypeError(f"no example input for {type(model).__name__}")
 
 
-# ---- hand plans (torch ParallelStyle dicts) --------------------------------------------------------
+# ---- hand plans (torch ParallelStyle dicts) ------------------------------------------------------
+
 
 def megatron_tp_plan(prefix: str = "layers.*.") -> dict:
     """Colwise q/k/v/w1/w3, rowwise o/w2: 2 all-reduces per layer forward."""
@@ -233,21 +245,26 @@ def megatron_tp_plan(prefix: str = "layers.*.") -> dict:
 
 
 def sequence_parallel_plan() -> dict:
-    """torchtitan's Llama plan: SP norms, PrepareModuleInput on attention/ffn, vocab-parallel embedding
-    and loss-parallel lm_head."""
+    """torchtitan's Llama plan: SP norms, PrepareModuleInput on attention/ffn, vocab-parallel
+    embedding and loss-parallel lm_head."""
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        ),
         "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                 desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "layers.*.attention.wq": ColwiseParallel(),
         "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "layers.*.feed_forward.w3": ColwiseParallel(),
@@ -273,7 +290,12 @@ def megatron_mlp_plan() -> dict:
 
 
 def attention_plan() -> dict:
-    return {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+    return {
+        "wq": ColwiseParallel(),
+        "wk": ColwiseParallel(),
+        "wv": ColwiseParallel(),
+        "wo": RowwiseParallel(),
+    }
 
 
 def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:

@@ -1,4 +1,5 @@
-"""Functions run on every rank of the multi-process (gloo) tests; module-level so spawn can import them."""
+"""Functions run on every rank of the multi-process (gloo) tests; module-level so spawn can import
+them."""
 
 from __future__ import annotations
 
@@ -41,19 +42,28 @@ def _compile_zoo(cases):
             prog = fxshard.shard(model, dm, plan(), example_inputs=x)
             fn = prog.compile()
             got = fn(*x)
-            want = fn.output_specs[0].local_of(ref, fn.coord_ints)  # this rank's shard of the result
+            want = fn.output_specs[0].local_of(
+                ref, fn.coord_ints
+            )  # this rank's shard of the result
         else:
             torch._dynamo.reset()
-            f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": plan(),
-                                                                  "inductor": path != "backend_eager"})
+            f = torch.compile(
+                model,
+                backend="fxshard",
+                options={"mesh": dm, "plan": plan(), "inductor": path != "backend_eager"},
+            )
             got, want = f(*x), ref
             got2 = f(*x)  # cached parameter shards, same answer
             assert torch.equal(got, got2)
             if path == "backend_updates":
                 out.append((name, shape, path, _rel(got.detach(), want)))
-                with torch.no_grad():  # an optimizer-style in-place update, then a replaced parameter
+                with (
+                    torch.no_grad()
+                ):  # an optimizer-style in-place update, then a replaced parameter
                     model.fc1.weight.mul_(0.5)
-                out.append((name, shape, "in-place update", _rel(f(*x).detach(), model(*x).detach())))
+                out.append(
+                    (name, shape, "in-place update", _rel(f(*x).detach(), model(*x).detach()))
+                )
                 g = torch.Generator().manual_seed(2)  # the same new weight on every rank
                 model.fc2.weight = nn.Parameter(torch.randn(model.fc2.weight.shape, generator=g))
                 got, want = f(*x), model(*x).detach()
@@ -62,17 +72,24 @@ def _compile_zoo(cases):
 
 
 def parallelize_meta(rank, world, tp):
-    """A meta-built Llama, parallelized and loaded shard by shard: bytes held, peak memory, results."""
+    """A meta-built Llama, parallelized and loaded shard by shard: bytes held, peak memory,
+    results."""
     import tracemalloc
 
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg = zoo.LlamaConfig()
     ref_model = zoo.init_weights(zoo.Llama(cfg), seed=0)
-    full_sd = {**ref_model.state_dict(), "rope_cos": ref_model.rope_cos, "rope_sin": ref_model.rope_sin}
+    full_sd = {
+        **ref_model.state_dict(),
+        "rope_cos": ref_model.rope_cos,
+        "rope_sin": ref_model.rope_sin,
+    }
     x = zoo.example_input(ref_model, generator=torch.Generator().manual_seed(1))
     ref = ref_model(*x).detach()
-    dm = init_device_mesh("cpu", (world,) if tp else (2, world // 2), mesh_dim_names=("tp",) if tp else ("dp", "tp"))
+    dm = init_device_mesh(
+        "cpu", (world,) if tp else (2, world // 2), mesh_dim_names=("tp",) if tp else ("dp", "tp")
+    )
     with torch.device("meta"):
         model = zoo.Llama(cfg)
     tracemalloc.start()
@@ -88,8 +105,14 @@ def parallelize_meta(rank, world, tp):
     back = pm.full_state_dict()
     same = all(torch.equal(back[k], v) for k, v in ref_model.state_dict().items())
     total = sum(t.numel() * t.element_size() for t in full_sd.values())
-    return dict(rel=_rel(out.detach(), want), held=held, peak=peak, total=total, roundtrip=same,
-                n_params=sum(p.numel() for p in pm.parameters()))
+    return dict(
+        rel=_rel(out.detach(), want),
+        held=held,
+        peak=peak,
+        total=total,
+        roundtrip=same,
+        n_params=sum(p.numel() for p in pm.parameters()),
+    )
 
 
 class pytest_raises:  # pytest is not imported in the workers
@@ -101,7 +124,9 @@ class pytest_raises:  # pytest is not imported in the workers
 
     def __exit__(self, typ, val, tb):
         if typ is None or not issubclass(typ, self.exc) or self.text not in str(val):
-            raise AssertionError(f"expected {self.exc.__name__} mentioning {self.text!r}, got {typ}: {val}")
+            raise AssertionError(
+                f"expected {self.exc.__name__} mentioning {self.text!r}, got {typ}: {val}"
+            )
         return True
 
 
@@ -118,8 +143,11 @@ def train_parallel(rank, world, shape, names, plan_name, inductor, steps=3, opti
     x = zoo.example_input(ref, generator=torch.Generator().manual_seed(1))
     dm = init_device_mesh("cpu", shape, mesh_dim_names=names)
     pm = fxshard.parallelize(model, dm, plan(), inductor=inductor)
-    make_opt = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if optimizer == "adamw" else \
-        (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    make_opt = (
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+        if optimizer == "adamw"
+        else (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    )
     opt_ref, opt = make_opt(ref.parameters()), make_opt(pm.parameters())
     losses = []
     for _ in range(steps):
@@ -146,8 +174,11 @@ def backend_train(rank, world, shape, names, inductor, steps=2):
     x = zoo.example_input(ref, generator=torch.Generator().manual_seed(1))
     dm = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": zoo.megatron_tp_plan(),
-                                                          "inductor": inductor})
+    f = torch.compile(
+        model,
+        backend="fxshard",
+        options={"mesh": dm, "plan": zoo.megatron_tp_plan(), "inductor": inductor},
+    )
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
     for _ in range(steps):
         for fn, opt in zip((ref, f), opts):

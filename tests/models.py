@@ -1,4 +1,5 @@
-"""The model zoo used by the tests (lives in fxshard.zoo so the demo, CLI and benchmarks share it)."""
+"""The model zoo used by the tests (lives in fxshard.zoo so the demo, CLI and benchmarks share
+it)."""
 
 from fxshard.zoo import *  # noqa: F401,F403
 from fxshard.zoo import (  # noqa: F401

@@ -46,7 +46,9 @@ def test_custom_cost_model_changes_the_plan():
     mesh = fxshard.MeshSpec((4,))
     default = fxshard.plan_redistribute(mesh, (Shard(0),), (Shard(1),), (64, 64))
     assert [s.collective for s in default.steps] == ["all_to_all"]
-    dear = fxshard.plan_redistribute(mesh, (Shard(0),), (Shard(1),), (64, 64), cost_model=ExpensiveAllToAll(mesh))
+    dear = fxshard.plan_redistribute(
+        mesh, (Shard(0),), (Shard(1),), (64, 64), cost_model=ExpensiveAllToAll(mesh)
+    )
     assert [s.collective for s in dear.steps if s.collective] == ["all_gather"]
 
     def f(x):
@@ -68,7 +70,9 @@ def test_user_passes_run_at_their_points():
         seen.append(("after_annotate", c.stage))
 
     def after_redistribute(gm, c):
-        seen.append(("after_redistribute", sum(info(n).kind == "redistribute" for n in gm.graph.nodes)))
+        seen.append(
+            ("after_redistribute", sum(info(n).kind == "redistribute" for n in gm.graph.nodes))
+        )
 
     def after_lower(local, prog):
         seen.append(("after_lower", sum("all_reduce" in str(n.target) for n in local.graph.nodes)))
@@ -76,19 +80,38 @@ def test_user_passes_run_at_their_points():
     after_lower.stage = "after_lower"
     model = init_weights(MLP())
     x = example_input(model)
-    prog = fxshard.shard(model, fxshard.MeshSpec((2,)), mlp_plan(), example_inputs=x,
-                         passes=[("after_annotate", after_annotate), ("after_redistribute", after_redistribute),
-                                 after_lower])
+    prog = fxshard.shard(
+        model,
+        fxshard.MeshSpec((2,)),
+        mlp_plan(),
+        example_inputs=x,
+        passes=[
+            ("after_annotate", after_annotate),
+            ("after_redistribute", after_redistribute),
+            after_lower,
+        ],
+    )
     assert prog.local_graph is not None
     assert seen == [("after_annotate", "annotated"), ("after_redistribute", 2), ("after_lower", 1)]
     with pytest.raises(ValueError, match="is not one of"):
-        fxshard.shard(model, fxshard.MeshSpec((2,)), mlp_plan(), example_inputs=x, passes=[("before_x", print)])
+        fxshard.shard(
+            model,
+            fxshard.MeshSpec((2,)),
+            mlp_plan(),
+            example_inputs=x,
+            passes=[("before_x", print)],
+        )
 
 
 @pytest.mark.parametrize("script", ["custom_op_rule.py", "user_pass.py", "step_through.py"])
 def test_examples_run(script):
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600)
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", script)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "matches single device" in res.stdout
 
@@ -108,8 +131,9 @@ def _calibrate_worker(rank, world, port, out):
     try:
         dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         cm = fxshard.calibrate(dm, sizes=(1 << 10, 1 << 14, 1 << 18), repeats=3)
-        plan = fxshard.plan_redistribute(cm.mesh, (Shard(0), Partial()), (Replicate(), Replicate()), (256, 256),
-                                         cost_model=cm)
+        plan = fxshard.plan_redistribute(
+            cm.mesh, (Shard(0), Partial()), (Replicate(), Replicate()), (256, 256), cost_model=cm
+        )
         if rank == 0:
             out.put((cm.mesh.bandwidth, cm.mesh.latency, plan.cost))
     finally:
@@ -122,6 +146,8 @@ def test_calibrate_on_gloo():
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.start_processes(_calibrate_worker, args=(4, _free_port(), q), nprocs=4, join=True, start_method="spawn")
+    mp.start_processes(
+        _calibrate_worker, args=(4, _free_port(), q), nprocs=4, join=True, start_method="spawn"
+    )
     bw, lat, cost = q.get(timeout=10)
     assert all(b > 0 for b in bw) and all(x >= 0 for x in lat) and cost > 0

@@ -20,7 +20,9 @@ def _rel(a, b):
 
 
 def _params(prog):
-    return {info(n).fqn: info(n).spec for n in prog.global_graph.graph.nodes if info(n).kind == PARAM}
+    return {
+        info(n).fqn: info(n).spec for n in prog.global_graph.graph.nodes if info(n).kind == PARAM
+    }
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -29,12 +31,19 @@ def test_budget_forces_sharding_and_beats_megatron(training):
     mesh = fxshard.MeshSpec((4,))
     hand = fxshard.shard(m, mesh, plan=zoo.megatron_tp_plan(), example_inputs=x, training=training)
     hc = hand.modelled_cost()
-    full = sum(p.numel() * p.element_size() for p in m.parameters()) + \
-        sum(b.numel() * b.element_size() for b in m.buffers())
+    full = sum(p.numel() * p.element_size() for p in m.parameters()) + sum(
+        b.numel() * b.element_size() for b in m.buffers()
+    )
     budget = hc["state_bytes"] * (4 if training else 1)  # training: + gradient + 2 Adam states
     assert hc["state_bytes"] < full  # the budget really forces sharding
-    prog = fxshard.shard(m, mesh, plan="auto", example_inputs=x, training=training,
-                         auto_options=fxshard.AutoOptions(memory_budget=budget))
+    prog = fxshard.shard(
+        m,
+        mesh,
+        plan="auto",
+        example_inputs=x,
+        training=training,
+        auto_options=fxshard.AutoOptions(memory_budget=budget),
+    )
     ac = prog.modelled_cost()
     assert ac["total_us"] <= hc["total_us"] + 1e-6
     assert ac["state_bytes"] <= hc["state_bytes"] + 1e-6
@@ -63,16 +72,27 @@ def test_dp_tp_at_most_the_best_hand_plan():
     m, x = _llama()
     mesh = fxshard.MeshSpec((2, 4), names=("dp", "tp"))
     hands = {}
-    for name, plan in [("megatron", zoo.megatron_tp_plan()), ("sequence_parallel", zoo.sequence_parallel_plan()),
-                       ("vocab_parallel", zoo.vocab_parallel_plan()), ("data_parallel", None)]:
+    for name, plan in [
+        ("megatron", zoo.megatron_tp_plan()),
+        ("sequence_parallel", zoo.sequence_parallel_plan()),
+        ("vocab_parallel", zoo.vocab_parallel_plan()),
+        ("data_parallel", None),
+    ]:
         hands[name] = fxshard.shard(m, mesh, plan=plan, example_inputs=x).modelled_cost()
     prog = fxshard.shard(m, mesh, plan="auto", example_inputs=x)
     assert prog.modelled_cost()["total_us"] <= min(h["total_us"] for h in hands.values()) + 1e-6
     assert _rel(prog.simulate(*x), m(*x)) < 1e-5
-    # under the smallest hand plan's memory as the budget, auto still beats every hand plan that fits it
+    # under the smallest hand plan's memory as the budget, auto still beats every hand plan that
+    # fits it
     budget = min(h["state_bytes"] for h in hands.values())
     fits = [h["total_us"] for h in hands.values() if h["state_bytes"] <= budget]
-    prog = fxshard.shard(m, mesh, plan="auto", example_inputs=x, auto_options=fxshard.AutoOptions(memory_budget=budget))
+    prog = fxshard.shard(
+        m,
+        mesh,
+        plan="auto",
+        example_inputs=x,
+        auto_options=fxshard.AutoOptions(memory_budget=budget),
+    )
     assert prog.modelled_cost()["state_bytes"] <= budget
     assert prog.modelled_cost()["total_us"] <= min(fits) + 1e-6
     assert _rel(prog.simulate(*x), m(*x)) < 1e-5
@@ -81,22 +101,42 @@ def test_dp_tp_at_most_the_best_hand_plan():
 def test_infeasible_budget_names_budget_and_minimum():
     m, x = _llama()
     with pytest.raises(fxshard.AutoInfeasible) as e:
-        fxshard.shard(m, fxshard.MeshSpec((4,)), plan="auto", example_inputs=x,
-                      auto_options=fxshard.AutoOptions(memory_budget=1000))
+        fxshard.shard(
+            m,
+            fxshard.MeshSpec((4,)),
+            plan="auto",
+            example_inputs=x,
+            auto_options=fxshard.AutoOptions(memory_budget=1000),
+        )
     msg = str(e.value)
-    assert "memory_budget 1000 B per rank is too small" in msg and "need at least 88.56 KiB" in msg, msg
+    assert (
+        "memory_budget 1000 B per rank is too small" in msg and "need at least 88.56 KiB" in msg
+    ), msg
     full = sum(p.numel() * 4 for p in m.parameters()) + sum(b.numel() * 4 for b in m.buffers())
-    with pytest.raises(fxshard.AutoInfeasible, match="parameters \\+ gradients \\+ optimizer states"):
-        fxshard.shard(m, fxshard.MeshSpec((4,)), plan="auto", example_inputs=x, training=True,
-                      auto_options=fxshard.AutoOptions(memory_budget=full / 2))
+    with pytest.raises(
+        fxshard.AutoInfeasible, match="parameters \\+ gradients \\+ optimizer states"
+    ):
+        fxshard.shard(
+            m,
+            fxshard.MeshSpec((4,)),
+            plan="auto",
+            example_inputs=x,
+            training=True,
+            auto_options=fxshard.AutoOptions(memory_budget=full / 2),
+        )
 
 
 def test_partial_plan_keeps_fixed_entries():
     m, x = _llama()
     mesh = fxshard.MeshSpec((4,))
     plan = {"output": ColwiseParallel(output_layouts=Replicate()), "*": "auto"}
-    prog = fxshard.shard(m, mesh, plan=plan, example_inputs=x,
-                         auto_options=fxshard.AutoOptions(memory_budget=150_000))
+    prog = fxshard.shard(
+        m,
+        mesh,
+        plan=plan,
+        example_inputs=x,
+        auto_options=fxshard.AutoOptions(memory_budget=150_000),
+    )
     assert _params(prog)["output.weight"].placements == (Shard(0),)
     assert _rel(prog.simulate(*x), m(*x)) < 1e-5
 
@@ -108,7 +148,11 @@ def test_explain_shows_runner_up_and_is_deterministic():
     a = fxshard.shard(m, mesh, plan="auto", example_inputs=x, auto_options=opts)
     b = fxshard.shard(m, mesh, plan="auto", example_inputs=x, auto_options=opts)
     assert "runner-up" in a.explain()
-    provs = [info(n).provenance for n in a.global_graph.graph.nodes if info(n).provenance.startswith("auto")]
+    provs = [
+        info(n).provenance
+        for n in a.global_graph.graph.nodes
+        if info(n).provenance.startswith("auto")
+    ]
     assert any("runner-up" in p and " us" in p for p in provs)
     assert any("follows its input" in p for p in provs)
     assert fxshard.diff(a, b).count("@@") == 0
@@ -119,8 +163,13 @@ def test_explain_shows_runner_up_and_is_deterministic():
 def test_auto_options_need_auto_plan():
     m, x = _llama()
     with pytest.raises(ValueError, match="auto_options applies to plan='auto'"):
-        fxshard.shard(m, fxshard.MeshSpec((4,)), plan=zoo.megatron_tp_plan(), example_inputs=x,
-                      auto_options=fxshard.AutoOptions())
+        fxshard.shard(
+            m,
+            fxshard.MeshSpec((4,)),
+            plan=zoo.megatron_tp_plan(),
+            example_inputs=x,
+            auto_options=fxshard.AutoOptions(),
+        )
     with pytest.raises(ValueError, match="plan='nonsense'"):
         fxshard.shard(m, fxshard.MeshSpec((4,)), plan="nonsense", example_inputs=x)
 
@@ -135,8 +184,14 @@ def test_lp_rounding_path_keeps_budget_and_numerics():
     mesh = fxshard.MeshSpec((4,))
     hand = fxshard.shard(m, mesh, plan=zoo.megatron_tp_plan(), example_inputs=x, training=True)
     budget = hand.modelled_cost()["state_bytes"] * 4
-    prog = fxshard.shard(m, mesh, plan="auto", example_inputs=x, training=True,
-                         auto_options=fxshard.AutoOptions(memory_budget=budget, mip_gap=0.5))
+    prog = fxshard.shard(
+        m,
+        mesh,
+        plan="auto",
+        example_inputs=x,
+        training=True,
+        auto_options=fxshard.AutoOptions(memory_budget=budget, mip_gap=0.5),
+    )
     rep = prog.captured.auto
     assert rep.ilp_rounded and 0.0 <= rep.ilp_gap <= 0.5, str(rep)
     assert rep.shared_layers == 2
@@ -156,8 +211,9 @@ def _brute_force(domains, unary, factors, mem, budget):
     for ch in itertools.product(*domains):
         if budget is not None and sum(float(mem[v][s]) for v, s in enumerate(ch)) > budget:
             continue
-        c = sum(float(unary[v][s]) for v, s in enumerate(ch)) + \
-            sum(float(t[ch[u], ch[v]]) for (u, v), t in factors.items())
+        c = sum(float(unary[v][s]) for v, s in enumerate(ch)) + sum(
+            float(t[ch[u], ch[v]]) for (u, v), t in factors.items()
+        )
         out = min(out, c)
     return out
 
@@ -173,9 +229,11 @@ def test_dominance_pruning_keeps_an_optimum():
         unary = [torch.randint(0, 4, (ns,), generator=g).double() for _ in range(nv)]
         mem = [torch.randint(1, 4, (ns,), generator=g).double() for _ in range(nv)]
         edges = [(0, 1), (1, 2), (2, 3), (0, 3), (1, 3)][: 3 + trial % 3]
-        factors = {e: torch.randint(0, 3, (ns, ns), generator=g).double() for e in edges}  # ties: more pruning
+        factors = {
+            e: torch.randint(0, 3, (ns, ns), generator=g).double() for e in edges
+        }  # ties: more pruning
         nbrs = [dict() for _ in range(nv)]
-        for (u, v) in factors:
+        for u, v in factors:
             nbrs[u][v] = nbrs[v][u] = (u, v)
         budget = None if trial % 2 else 8.0
         keep = dominance(list(range(nv)), unary, factors, nbrs, dict(enumerate(mem)), budget)
@@ -184,7 +242,16 @@ def test_dominance_pruning_keeps_an_optimum():
         assert kept == _brute_force([range(ns)] * nv, unary, factors, mem, budget), trial
     # near-ties: a tolerant "<=" is not transitive and once dropped every state of a variable
     x, d = 1000.0, 0.7e-6
-    unary = [torch.tensor([x + 2 * d, x + d, x], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
-    keep = dominance([0, 1], unary, {(0, 1): torch.zeros(3, 1, dtype=torch.float64)},
-                     [{1: (0, 1)}, {0: (0, 1)}], {}, None)
+    unary = [
+        torch.tensor([x + 2 * d, x + d, x], dtype=torch.float64),
+        torch.zeros(1, dtype=torch.float64),
+    ]
+    keep = dominance(
+        [0, 1],
+        unary,
+        {(0, 1): torch.zeros(3, 1, dtype=torch.float64)},
+        [{1: (0, 1)}, {0: (0, 1)}],
+        {},
+        None,
+    )
     assert keep[0].tolist() == [2]

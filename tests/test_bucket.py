@@ -1,6 +1,5 @@
 """The bucket stage: independent collectives of the per-rank graph merged, dependencies kept."""
 
-
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -28,7 +27,9 @@ def _make_graph():
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(2, 5))
     for n in collective_nodes(gm):  # what lowering records: the planned collective each one runs
-        info(n).carries = (fxshard.Collective(str(n.target).split(".")[1], (0,), 0, 0.0, n.name, "", ""),)
+        info(n).carries = (
+            fxshard.Collective(str(n.target).split(".")[1], (0,), 0, 0.0, n.name, "", ""),
+        )
     return gm
 
 
@@ -44,8 +45,13 @@ def test_bucketing_respects_dependencies_and_keeps_results():
         removed = bucket_collectives(gm)
         assert removed == 2  # (b, c) share a bucket, (d, e) another; a stays alone
         buckets = [[c.node for c in info(n).carries] for n in collective_nodes(gm)]
-        assert sorted(buckets) == sorted([["all_reduce"], ["all_reduce_1", "all_reduce_2"],
-                                          ["all_gather_into_tensor", "all_gather_into_tensor_1"]])
+        assert sorted(buckets) == sorted(
+            [
+                ["all_reduce"],
+                ["all_reduce_1", "all_reduce_2"],
+                ["all_gather_into_tensor", "all_gather_into_tensor_1"],
+            ]
+        )
         out = _rename(gm, groups[0])(xs, ys)
         for o, r in zip(out, ref):
             from fxshard._torch import local_tensor_values
@@ -69,9 +75,13 @@ def test_bucketing_in_a_sharded_program():
         return a @ b, c @ d
 
     xs = [torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 16), torch.randn(16, 6)]
-    prog = fxshard.shard(f, fxshard.MeshSpec((2,)), example_inputs=xs,
-                         input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
-                         output_placements=[(R,), (R,)])
+    prog = fxshard.shard(
+        f,
+        fxshard.MeshSpec((2,)),
+        example_inputs=xs,
+        input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
+        output_placements=[(R,), (R,)],
+    )
     assert [c.kind for c in prog.planned_collectives()] == ["all_reduce", "all_reduce"]
     assert len(collective_nodes(prog.local_graph)) == 1 and prog.bucketed == 1
     # what runs: one all-reduce carrying both planned ones, their bytes together
@@ -87,9 +97,14 @@ def test_bucket_cap_is_respected():
         return a @ b, c @ d
 
     xs = [torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 16), torch.randn(16, 6)]
-    kw = dict(example_inputs=xs, input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
-              output_placements=[(R,), (R,)])
-    small = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=100, **kw)  # 8*4*4 + 8*6*4 bytes > 100
+    kw = dict(
+        example_inputs=xs,
+        input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
+        output_placements=[(R,), (R,)],
+    )
+    small = fxshard.shard(
+        f, fxshard.MeshSpec((2,)), bucket_bytes=100, **kw
+    )  # 8*4*4 + 8*6*4 bytes > 100
     assert len(collective_nodes(small.local_graph)) == 2 and small.bucketed == 0
     off = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=0, **kw)
     assert len(collective_nodes(off.local_graph)) == 2

@@ -16,25 +16,44 @@ from fxshard.ir import GRAD_TAG, info
 
 def _tiny(n_layers=4):
     torch.manual_seed(0)
-    cfg = zoo.LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=48,
-                          max_seq_len=16)
+    cfg = zoo.LlamaConfig(
+        dim=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=64,
+        ffn_hidden=48,
+        max_seq_len=16,
+    )
     return zoo.init_weights(zoo.Llama(cfg)), torch.randint(0, 64, (2, 8))
 
 
 def _canon(gm: fx.GraphModule) -> list:
-    """Every node: op, target, arguments by position, value shape/dtype, joint-graph role, module."""
+    """Every node: op, target, arguments by position, value shape/dtype, joint-graph role,
+    module."""
     idx = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: i for n, i in idx.items()}
     out = []
     for n in gm.graph.nodes:
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", idx[a]))
         if len(n.args) > 1 and isinstance(n.args[1], str) and n.args[1].startswith(GRAD_TAG):
-            args = (args[0][0], GRAD_TAG + str(by_name[n.args[1][len(GRAD_TAG):]]))  # names differ, nodes not
+            args = (
+                args[0][0],
+                GRAD_TAG + str(by_name[n.args[1][len(GRAD_TAG) :]]),
+            )  # names differ, nodes not
         v = n.meta.get("val")
         rec = info(n)
-        out.append((n.op, rec.fqn if n.op == "placeholder" else str(n.target), repr(args),
-                    (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
-                    n.meta.get("partitioner_tag"), rec.kind, rec.module))
+        out.append(
+            (
+                n.op,
+                rec.fqn if n.op == "placeholder" else str(n.target),
+                repr(args),
+                (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None,
+                n.meta.get("partitioner_tag"),
+                rec.kind,
+                rec.module,
+            )
+        )
     return out
 
 
@@ -43,8 +62,13 @@ def _run(c, tokens):
     for p in c.gm.graph.nodes:
         if p.op == "placeholder":
             rec = info(p)
-            args.append(c.state[rec.fqn] if rec.kind in ("param", "buffer") else
-                        tokens if rec.kind == "input" else torch.ones(p.meta["val"].shape))
+            args.append(
+                c.state[rec.fqn]
+                if rec.kind in ("param", "buffer")
+                else tokens
+                if rec.kind == "input"
+                else torch.ones(p.meta["val"].shape)
+            )
     return c.gm(*args)
 
 
@@ -57,7 +81,9 @@ def test_reuse_layers_gives_the_plain_trace_node_for_node(caplog):
     assert "reuse_layers does not apply" not in caplog.text  # really stitched
     assert _canon(stitched.gm) == _canon(plain.gm)
     a, b = _run(plain, x), _run(stitched, x)
-    assert len(a) == len(b) and all(u is None and v is None or torch.equal(u, v) for u, v in zip(a, b))
+    assert len(a) == len(b) and all(
+        u is None and v is None or torch.equal(u, v) for u, v in zip(a, b)
+    )
 
 
 def test_a_layer_with_its_own_state_is_traced_inline(caplog):
@@ -94,8 +120,14 @@ def test_calls_it_cannot_represent_fall_back_to_the_plain_trace(caplog):
 def test_auto_plan_on_a_stitched_capture_matches_single_device():
     m = zoo.init_weights(zoo.Llama(zoo.LlamaConfig(n_layers=3)))
     x = zoo.example_input(m, batch=4)
-    prog = fxshard.shard(m, fxshard.MeshSpec((2, 2), names=("dp", "tp")), plan="auto", example_inputs=x,
-                         training=True, reuse_layers=True)
+    prog = fxshard.shard(
+        m,
+        fxshard.MeshSpec((2, 2), names=("dp", "tp")),
+        plan="auto",
+        example_inputs=x,
+        training=True,
+        reuse_layers=True,
+    )
     assert prog.captured.auto.shared_layers == 2
     ref = m(*x)
     out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
@@ -105,7 +137,8 @@ def test_auto_plan_on_a_stitched_capture_matches_single_device():
         assert ((grads[fqn] - p.grad).abs().max() / p.grad.abs().max()).item() < 1e-5, fqn
 
 
-# ---- the cases an independent review found (each once a silent miscompile or a corrupted model) ----
+# ---- the cases an independent review found (each once a silent miscompile or a corrupted model) --
+
 
 def _compare(m, xs, hooked=None):
     """(stitched or fell back, values equal, stitched outputs): both captures, with ``hooked``
@@ -132,19 +165,28 @@ def _compare(m, xs, hooked=None):
             if p.op == "placeholder":
                 rec = info(p)
                 v = p.meta["val"]
-                args.append(c.state[rec.fqn] if rec.kind in ("param", "buffer") else
-                            xs[rec.input_index] if rec.kind == "input" else torch.randn(v.shape, generator=g))
+                args.append(
+                    c.state[rec.fqn]
+                    if rec.kind in ("param", "buffer")
+                    else xs[rec.input_index]
+                    if rec.kind == "input"
+                    else torch.randn(v.shape, generator=g)
+                )
         return c.gm(*args)
 
     a, b = run(plain), run(stitched)
-    same = len(a) == len(b) and all(u is None and v is None or torch.allclose(u, v, atol=1e-6) for u, v in zip(a, b))
+    same = len(a) == len(b) and all(
+        u is None and v is None or torch.allclose(u, v, atol=1e-6) for u, v in zip(a, b)
+    )
     fell_back = any("does not apply" in r.getMessage() for r in records)
     if fell_back:
         same = same and _canon(stitched.gm) == _canon(plain.gm)
     return fell_back, same, b
 
 
-class _PassOn(nn.Module):  # hands its position input on to the next block: an output aliasing an input
+class _PassOn(
+    nn.Module
+):  # hands its position input on to the next block: an output aliasing an input
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
@@ -168,8 +210,12 @@ class _PosModel(nn.Module):
 
 def test_outputs_aliasing_inputs_keep_their_gradients():
     torch.manual_seed(0)
-    for m in (_PosModel(), nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8), nn.Identity(),
-                                         nn.Linear(8, 8))):
+    for m in (
+        _PosModel(),
+        nn.Sequential(
+            nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8), nn.Identity(), nn.Linear(8, 8)
+        ),
+    ):
         fell_back, same, _ = _compare(m, [torch.randn(4, 8)])
         assert fell_back and same
 
@@ -189,7 +235,9 @@ class _ConstModel(nn.Module):
         self.layers = nn.ModuleList(_ConstLayer() for _ in range(3))
 
     def forward(self, x):
-        x = x + torch.tensor([3.0] * 8)  # a model constant of the same generated name as the layer's
+        x = x + torch.tensor(
+            [3.0] * 8
+        )  # a model constant of the same generated name as the layer's
         for layer in self.layers:
             x = layer(x)
         return x.sum()
@@ -235,7 +283,9 @@ class _Aux(nn.Module):
         self.a = nn.Linear(8, 8)
 
     def forward(self, x):
-        p = torch.softmax(self.a(x).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1)[:4], float("-inf")), -1)
+        p = torch.softmax(
+            self.a(x).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1)[:4], float("-inf")), -1
+        )
         return torch.tanh(self.a(x)) + p, torch.log(p)
 
 
@@ -276,7 +326,9 @@ def test_layers_in_two_containers_and_the_model_left_as_it_was():
     fell_back, same, _ = _compare(m, [x])
     assert not fell_back and same
     assert all("forward" not in vars(layer) for layer in m.layers)
-    assert all(type(p) is nn.Parameter for p in m.parameters())  # AOT's swap undone on shared paths too
+    assert all(
+        type(p) is nn.Parameter for p in m.parameters()
+    )  # AOT's swap undone on shared paths too
     assert torch.equal(m(x), ref)
 
 
@@ -308,7 +360,9 @@ def test_layers_sharing_a_submodule_fall_back_with_their_markers_intact():
     m, x = _tiny(n_layers=3)
     for layer in m.layers[1:]:
         layer.attention.wo = m.layers[0].attention.wo
-    hooked = {f"layers.{i}.feed_forward.w2": (1, 1) for i in range(3)} | {"layers.0.attention.wo": (1, 1)}
+    hooked = {f"layers.{i}.feed_forward.w2": (1, 1) for i in range(3)} | {
+        "layers.0.attention.wo": (1, 1)
+    }
     fell_back, same, _ = _compare(m, [x], hooked)
     assert fell_back and same
 
@@ -334,7 +388,9 @@ def test_layer_groups_in_lists_dicts_and_nested_containers():
             super().__init__()
             self.layers = nn.ModuleDict({str(i): block() for i in range(4)})
 
-    assert [[f for f, _ in g] for g in layer_groups(HF())] == [["model.layers.0", "model.layers.1", "model.layers.2"]]
+    assert [[f for f, _ in g] for g in layer_groups(HF())] == [
+        ["model.layers.0", "model.layers.1", "model.layers.2"]
+    ]
     assert [[f for f, _ in g] for g in layer_groups(Titan())] == [[f"layers.{i}" for i in range(4)]]
     assert layer_groups(nn.Linear(2, 2)) == [] and layer_groups(None) == []
 
@@ -344,5 +400,9 @@ def test_plan_boundaries_are_marked_with_their_tags():
     (x,) = zoo.example_input(m)
     c = fxshard.capture(m, (x,), mesh=fxshard.MeshSpec((2,)), plan=zoo.megatron_tp_plan())
     tags = {info(n).tag for n in c.gm.graph.nodes if info(n).kind == "boundary"}
-    assert {"layers.0.attention.wq:in:0", "layers.0.attention.wq:out:0", "layers.0.attention.wo:out:0"} <= tags
+    assert {
+        "layers.0.attention.wq:in:0",
+        "layers.0.attention.wq:out:0",
+        "layers.0.attention.wo:out:0",
+    } <= tags
     assert all(info(n).module for n in c.gm.graph.nodes if info(n).kind == "boundary")

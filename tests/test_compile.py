@@ -28,7 +28,9 @@ def _compile(model, mesh, plan, **kw):
     """The backend in simulate mode, called for inference (under autograd it shards the joint graph:
     tests/test_training.py)."""
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={"mesh": mesh, "plan": plan, "simulate": True}, **kw)
+    f = torch.compile(
+        model, backend="fxshard", options={"mesh": mesh, "plan": plan, "simulate": True}, **kw
+    )
 
     def call(*args):
         with torch.no_grad():
@@ -45,13 +47,16 @@ def _kinds(prog):
     return dict(Counter(c.kind for c in prog.collectives()))
 
 
-@pytest.mark.parametrize("name,mesh,plan,expect", [
-    ("mlp", MESH_TP, mlp_plan, {"all_reduce": 1}),
-    # the dp dim's batch shards are gathered at the end: a graph hands back global values
-    ("llama", MESH_DP_TP, megatron_tp_plan, {"all_reduce": 4, "all_gather": 1}),
-    # sequence parallel: DTensor's 5 AG + 5 RS, plus the gather of the vocab-sharded logits
-    ("llama_sp", MESH_TP, zoo.sequence_parallel_plan, {"all_gather": 6, "reduce_scatter": 5}),
-])
+@pytest.mark.parametrize(
+    "name,mesh,plan,expect",
+    [
+        ("mlp", MESH_TP, mlp_plan, {"all_reduce": 1}),
+        # the dp dim's batch shards are gathered at the end: a graph hands back global values
+        ("llama", MESH_DP_TP, megatron_tp_plan, {"all_reduce": 4, "all_gather": 1}),
+        # sequence parallel: DTensor's 5 AG + 5 RS, plus the gather of the vocab-sharded logits
+        ("llama_sp", MESH_TP, zoo.sequence_parallel_plan, {"all_gather": 6, "reduce_scatter": 5}),
+    ],
+)
 def test_backend_matches_single_device(name, mesh, plan, expect):
     model = init_weights(MLP() if name == "mlp" else Llama())
     x = example_input(model)
@@ -73,11 +78,21 @@ def test_backend_plan_auto_matches_single_device(training):
     model = init_weights(Llama())
     ref = copy.deepcopy(model)
     x = example_input(model)
-    hand = fxshard.shard(model, MESH_TP, megatron_tp_plan(), example_inputs=x, training=training).modelled_cost()
+    hand = fxshard.shard(
+        model, MESH_TP, megatron_tp_plan(), example_inputs=x, training=training
+    ).modelled_cost()
     budget = hand["state_bytes"] * (4 if training else 1)
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={
-        "mesh": MESH_TP, "plan": "auto", "simulate": True, "auto_options": fxshard.AutoOptions(memory_budget=budget)})
+    f = torch.compile(
+        model,
+        backend="fxshard",
+        options={
+            "mesh": MESH_TP,
+            "plan": "auto",
+            "simulate": True,
+            "auto_options": fxshard.AutoOptions(memory_budget=budget),
+        },
+    )
     with torch.set_grad_enabled(training):
         out, want = f(*x), ref(*x)
     _close(out, want)
@@ -89,7 +104,11 @@ def test_backend_plan_auto_matches_single_device(training):
     prog = compiled_programs()[-1]
     rep = prog.captured.auto
     assert rep is not None and rep.shared_layers == 1 and rep.memory_bytes <= budget, str(rep)
-    assert any(info(n).spec.num_shards > 1 for n in prog.global_graph.graph.nodes if info(n).kind == "param")
+    assert any(
+        info(n).spec.num_shards > 1
+        for n in prog.global_graph.graph.nodes
+        if info(n).kind == "param"
+    )
 
 
 def test_backend_without_plan_entries_replicates_and_matches():
@@ -109,13 +128,22 @@ def test_graph_break_gives_the_same_result():
     # dynamo compiles each layer's frame on its own after a break in the loop (and may reuse one
     # layer's graph for the next: placements are then layer 0's, values layer 1's, still correct):
     # parameters are found by FQN in the whole model, so the plan applies, 2 all-reduces per layer
-    layers = [p for p in progs if any((info(n).fqn or "").endswith("attention.wq.weight") for n in p.placeholders)]
+    layers = [
+        p
+        for p in progs
+        if any((info(n).fqn or "").endswith("attention.wq.weight") for n in p.placeholders)
+    ]
     assert layers and all(_kinds(p).get("all_reduce") == 2 for p in layers)
-    assert all(info(n).fqn.startswith("layers.") for p in layers for n in p.placeholders if info(n).fqn)
+    assert all(
+        info(n).fqn.startswith("layers.") for p in layers for n in p.placeholders if info(n).fqn
+    )
 
 
 def test_fullgraph_on_the_zoo():
-    for model, plan in ((init_weights(Llama()), megatron_tp_plan()), (init_weights(MLP()), mlp_plan())):
+    for model, plan in (
+        (init_weights(Llama()), megatron_tp_plan()),
+        (init_weights(MLP()), mlp_plan()),
+    ):
         x = example_input(model)
         _close(_compile(model, MESH_TP, plan, fullgraph=True)(*x), model(*x))
 
@@ -133,13 +161,26 @@ def test_backend_is_registered_by_entry_point():
     assert "fxshard" in torch._dynamo.list_backends()
 
 
-@pytest.mark.parametrize("options,match", [
-    ({}, "missing option\\(s\\) \\['mesh', 'plan'\\].*options=\\{\"mesh\": device_mesh, \"plan\": plan\\}"),
-    ({"mesh": MESH_TP}, "missing option\\(s\\) \\['plan'\\]"),
-    ({"mesh": MESH_TP, "plan": {}}, "a MeshSpec only works with \"simulate\": True"),
-    ({"mesh": MESH_TP, "plan": {}, "simulate": True, "bucket": 1}, "unknown option\\(s\\) \\['bucket'\\]"),
-    ({"mesh": MESH_TP, "plan": {"fc9": "colwise"}, "simulate": True}, "'fc9' matches no module of MLP"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (
+            {},
+            "missing option\\(s\\) \\['mesh', 'plan'\\].*options=\\{\"mesh\": device_mesh, "
+            '"plan": plan\\}',
+        ),
+        ({"mesh": MESH_TP}, "missing option\\(s\\) \\['plan'\\]"),
+        ({"mesh": MESH_TP, "plan": {}}, 'a MeshSpec only works with "simulate": True'),
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "bucket": 1},
+            "unknown option\\(s\\) \\['bucket'\\]",
+        ),
+        (
+            {"mesh": MESH_TP, "plan": {"fc9": "colwise"}, "simulate": True},
+            "'fc9' matches no module of MLP",
+        ),
+    ],
+)
 def test_backend_errors_say_what_to_pass(options, match):
     model = init_weights(MLP())
     torch._dynamo.reset()
@@ -216,9 +257,13 @@ def test_parallelize_meta_model_holds_only_local_shards():
         total = sum(p.numel() * 4 for p in model.parameters())
         with Allocations() as alloc:
             pm = fxshard.parallelize(model, dm, megatron_tp_plan())
-        sharded = sum(pm.specs[f].shape.numel() if hasattr(pm.specs[f].shape, "numel") else
-                      torch.Size(pm.specs[f].shape).numel() for f, p in pm.module.named_parameters()
-                      if any(pm.specs[f].levels))
+        sharded = sum(
+            pm.specs[f].shape.numel()
+            if hasattr(pm.specs[f].shape, "numel")
+            else torch.Size(pm.specs[f].shape).numel()
+            for f, p in pm.module.named_parameters()
+            if any(pm.specs[f].levels)
+        )
         held = sum(p.numel() * 4 for p in pm.parameters())
         assert held == total - sharded * 4 * 3 // 4  # sharded weights: a quarter each
         assert held < 0.35 * total
@@ -231,11 +276,16 @@ def test_parallelize_meta_model_holds_only_local_shards():
 
 # ---- end to end on real process groups (gloo, loopback) ------------------------------------------
 
+
 @pytest.mark.slow
 def test_compiled_on_four_gloo_ranks():
-    cases = [("llama", (4,), ("tp",), "program"), ("llama", (4,), ("tp",), "backend"),
-             ("llama", (2, 2), ("dp", "tp"), "program"), ("llama", (2, 2), ("dp", "tp"), "backend"),
-             ("mlp", (4,), ("tp",), "backend")]
+    cases = [
+        ("llama", (4,), ("tp",), "program"),
+        ("llama", (4,), ("tp",), "backend"),
+        ("llama", (2, 2), ("dp", "tp"), "program"),
+        ("llama", (2, 2), ("dp", "tp"), "backend"),
+        ("mlp", (4,), ("tp",), "backend"),
+    ]
     results = spawn(4, e2e_workers.compile_zoo, cases)
     for rank_results in results:
         assert len(rank_results) == len(cases)
@@ -245,9 +295,13 @@ def test_compiled_on_four_gloo_ranks():
 
 @pytest.mark.slow
 def test_compiled_on_two_gloo_ranks():
-    cases = [("mlp", (2,), ("tp",), "program"), ("mlp", (2,), ("tp",), "backend"),
-             ("mlp", (2,), ("tp",), "backend_eager"), ("graph_break", (2,), ("tp",), "backend"),
-             ("mlp", (2,), ("tp",), "backend_updates")]
+    cases = [
+        ("mlp", (2,), ("tp",), "program"),
+        ("mlp", (2,), ("tp",), "backend"),
+        ("mlp", (2,), ("tp",), "backend_eager"),
+        ("graph_break", (2,), ("tp",), "backend"),
+        ("mlp", (2,), ("tp",), "backend_updates"),
+    ]
     for rank_results in spawn(2, e2e_workers.compile_zoo, cases):
         for name, shape, path, rel in rank_results:
             assert rel < 1e-5, (name, shape, path, rel)

@@ -13,8 +13,13 @@ from fxshard.passes.lower import collective_nodes
 def test_every_collective_carries_its_planned_step_in_order():
     model = init_weights(Llama(LlamaConfig(n_layers=2)))
     x = example_input(model)
-    prog = fxshard.shard(model, fxshard.MeshSpec((2, 2), names=("dp", "tp")), megatron_tp_plan(), example_inputs=x,
-                         bucket_bytes=0)
+    prog = fxshard.shard(
+        model,
+        fxshard.MeshSpec((2, 2), names=("dp", "tp")),
+        megatron_tp_plan(),
+        example_inputs=x,
+        bucket_bytes=0,
+    )
     planned = prog.planned_collectives()
     nodes = collective_nodes(prog.local_graph)
     assert len(nodes) == len(planned) == 4  # Megatron TP: 2 all-reduces per layer
@@ -40,9 +45,15 @@ def test_one_graph_serves_every_rank():
 def test_vocab_parallel_embedding_is_a_masked_local_lookup():
     emb = torch.nn.Embedding(16, 4)
     idx = torch.randint(0, 16, (3, 5))
-    prog = fxshard.shard(lambda t, w: torch.nn.functional.embedding(t, w), fxshard.MeshSpec((4,)),
-                         example_inputs=(idx, emb.weight.detach()), input_placements=[(Replicate(),), (Shard(0),)],
-                         output_placements=[(Replicate(),)])
-    assert [c.kind for c in prog.planned_collectives()] == ["all_reduce"]  # the partial lookups summed
+    prog = fxshard.shard(
+        lambda t, w: torch.nn.functional.embedding(t, w),
+        fxshard.MeshSpec((4,)),
+        example_inputs=(idx, emb.weight.detach()),
+        input_placements=[(Replicate(),), (Shard(0),)],
+        output_placements=[(Replicate(),)],
+    )
+    assert [c.kind for c in prog.planned_collectives()] == [
+        "all_reduce"
+    ]  # the partial lookups summed
     assert any(n.target is torch.ops.aten.masked_fill.Scalar for n in prog.local_graph.graph.nodes)
     torch.testing.assert_close(prog.simulate(idx, emb.weight.detach()), emb(idx))

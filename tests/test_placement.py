@@ -34,7 +34,8 @@ def _problem(captured, **kw):
 
 def test_legal_states_are_even_plain_and_place_what_is_read():
     """Every legal state of every op of a small model: input and output specs divide evenly, no
-    strided or non-sum partial inputs, every read output placed; the replicated state is among them."""
+    strided or non-sum partial inputs, every read output placed; the replicated state is among
+    them."""
     model = init_weights(MLP())
     c = fxshard.capture(model, example_input(model), mesh=M2_22, plan=mlp_plan())
     p = _problem(c)
@@ -44,12 +45,21 @@ def test_legal_states_are_even_plain_and_place_what_is_read():
         cur = [p.replicated(a.meta["val"]) for a in tensor_args(n)]
         legal = p.legal_states(n, cur)
         assert legal.source in ("rule", "factory"), n
-        rep = (tuple(cur), tuple(p.replicated(v) if isinstance(v, torch.Tensor) else None for v in
-                                 (n.meta["val"] if isinstance(n.meta["val"], (tuple, list)) else (n.meta["val"],))))
+        rep = (
+            tuple(cur),
+            tuple(
+                p.replicated(v) if isinstance(v, torch.Tensor) else None
+                for v in (
+                    n.meta["val"] if isinstance(n.meta["val"], (tuple, list)) else (n.meta["val"],)
+                )
+            ),
+        )
         assert legal.source == "factory" or rep in legal.states, n
         for ins, outs in legal.states:
             assert all(fxshard.core.spec.is_even(s) for s in (*ins, *outs) if s is not None), n
-            assert not any(type(pl).__name__ == "_StridedShard" for s in ins for pl in s.placements), n
+            assert not any(
+                type(pl).__name__ == "_StridedShard" for s in ins for pl in s.placements
+            ), n
         # the states of a matmul include a contraction sharded on both sides (a partial output)
         if n.target is torch.ops.aten.addmm.default:
             assert any(isinstance(o[0].placements[1], Partial) for _, o in legal.states)
@@ -78,6 +88,7 @@ def test_placeholder_options_say_what_is_fixed():
 def test_output_requirements_of_a_training_graph():
     """Forward outputs of a joint graph are handed back replicated; gradients are placed like their
     parameters, or replicated when the program hands gradients back global (the backend)."""
+
     class Loss(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -91,7 +102,9 @@ def test_output_requirements_of_a_training_graph():
     out = next(n for n in c.gm.graph.nodes if n.op == "output")
     reqs = [r for r in _problem(c).output_requirements(out) if r is not None]
     assert reqs[0].kind == "fixed" and reqs[0].role == ("output", 0)
-    assert {r.kind for r in reqs[1:]} == {"like"} and all(r.role.kind == "grad_param" for r in reqs[1:])
+    assert {r.kind for r in reqs[1:]} == {"like"} and all(
+        r.role.kind == "grad_param" for r in reqs[1:]
+    )
     glob = [r for r in _problem(c, replicate_grads=True).output_requirements(out) if r is not None]
     assert {r.kind for r in glob[1:]} == {"fixed"}
 
@@ -120,8 +133,15 @@ def test_greedy_and_auto_read_the_same_states(monkeypatch):
 def test_constraints_of_a_plan():
     model = MLP()
     cons = resolve_plan(mlp_plan(), model, M2_22)
-    assert cons.dim == 1 and cons.params["fc1.weight"][0] == Shard(0) and cons.params["fc2.weight"][0] == Shard(1)
-    assert cons.boundaries["fc2:out:0"][0] == Replicate() and cons.hooked == {"fc1": (1, 1), "fc2": (1, 1)}
+    assert (
+        cons.dim == 1
+        and cons.params["fc1.weight"][0] == Shard(0)
+        and cons.params["fc2.weight"][0] == Shard(1)
+    )
+    assert cons.boundaries["fc2:out:0"][0] == Replicate() and cons.hooked == {
+        "fc1": (1, 1),
+        "fc2": (1, 1),
+    }
 
 
 def test_op_without_rule_warns_and_replicates(caplog):
@@ -139,9 +159,16 @@ def test_op_without_rule_warns_and_replicates(caplog):
 
 
 def test_custom_op_without_rule_is_an_error():
-    with pytest.raises(ValueError, match=r"custom op with no sharding rule; register one, e.g. fxshard.register_rule"):
-        fxshard.shard(lambda x: cumulative(x * 2) + 1, M1_2, example_inputs=(torch.randn(8, 4),),
-                      input_placements=[(Shard(0),)])
+    with pytest.raises(
+        ValueError,
+        match=r"custom op with no sharding rule; register one, e.g. fxshard.register_rule",
+    ):
+        fxshard.shard(
+            lambda x: cumulative(x * 2) + 1,
+            M1_2,
+            example_inputs=(torch.randn(8, 4),),
+            input_placements=[(Shard(0),)],
+        )
 
 
 def test_rule_leaving_a_read_output_unplaced_is_skipped(monkeypatch, caplog):
@@ -172,7 +199,9 @@ def test_rule_leaving_a_read_output_unplaced_is_skipped(monkeypatch, caplog):
     m = M()
     x = torch.randn(4, 8)
     with caplog.at_level(logging.WARNING, logger="fxshard"):
-        prog = fxshard.shard(m, fxshard.MeshSpec((2,)), plan={"fc": ColwiseParallel()}, example_inputs=(x,))
+        prog = fxshard.shard(
+            m, fxshard.MeshSpec((2,)), plan={"fc": ColwiseParallel()}, example_inputs=(x,)
+        )
     assert any("relu" in r.getMessage() and "replicated" in r.getMessage() for r in caplog.records)
     torch.testing.assert_close(prog.simulate(x), m(x), rtol=1e-5, atol=1e-5)
 
@@ -190,5 +219,7 @@ def test_set_placement_between_stages_changes_plan_and_stays_correct():
     assert "relu" in fxshard.diff(base, prog)
     torch.testing.assert_close(prog.simulate(*x), model(*x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="allows no strategy with output"):
-        fxshard.set_placement(next(n for n in c.gm.graph.nodes if n.target is torch.ops.aten.addmm.default),
-                              (Partial("max"),))
+        fxshard.set_placement(
+            next(n for n in c.gm.graph.nodes if n.target is torch.ops.aten.addmm.default),
+            (Partial("max"),),
+        )

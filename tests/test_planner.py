@@ -23,10 +23,19 @@ from fxshard.runtime.simulate import SimulatedMesh
 R, P = Replicate(), Partial()
 
 
-# ---- an independent, unrestricted Dijkstra (no heuristic, no symmetry or ordering shortcuts) ------
+# ---- an independent, unrestricted Dijkstra (no heuristic, no symmetry or ordering shortcuts) -----
 
-def brute_force_cost(mesh: fxshard.MeshSpec, src, dst, shape, cm: CostModel, src_order=None, fuse=False,
-                     dst_order=None):
+
+def brute_force_cost(
+    mesh: fxshard.MeshSpec,
+    src,
+    dst,
+    shape,
+    cm: CostModel,
+    src_order=None,
+    fuse=False,
+    dst_order=None,
+):
     s = ShardingSpec.make(mesh, src, shape, shard_order=src_order)
     d = ShardingSpec.make(mesh, dst, shape, shard_order=dst_order)
     ops = {p.reduce_op for p in (*src, *dst) if isinstance(p, Partial)}
@@ -51,40 +60,46 @@ def brute_force_cost(mesh: fxshard.MeshSpec, src, dst, shape, cm: CostModel, src
         for t, lv in enumerate(stacks):
             if lv:
                 m, _ = lv[-1]
-                popped = stacks[:t] + (lv[:-1],) + stacks[t + 1:]
+                popped = stacks[:t] + (lv[:-1],) + stacks[t + 1 :]
                 nxt.append(((popped, part), cm.collective("all_gather", (m,), n)))
                 for t2 in range(len(stacks)):
                     if t2 != t:
-                        ns = popped[:t2] + (popped[t2] + ((m, 1),),) + popped[t2 + 1:]
+                        ns = popped[:t2] + (popped[t2] + ((m, 1),),) + popped[t2 + 1 :]
                         nxt.append(((ns, part), cm.collective("all_to_all", (m,), n)))
         if fuse:  # one collective over several mesh dims
             for t, lv in enumerate(stacks):
                 for j in range(2, len(lv) + 1):
                     top, rest = lv[-j:], lv[:-j]
                     dims = tuple(sorted(m for m, _ in top))
-                    popped = stacks[:t] + (rest,) + stacks[t + 1:]
+                    popped = stacks[:t] + (rest,) + stacks[t + 1 :]
                     nxt.append(((popped, part), cm.collective("all_gather", dims, n)))
                     for t2 in range(len(stacks)):
                         if t2 != t:
-                            ns = popped[:t2] + (popped[t2] + top,) + popped[t2 + 1:]
+                            ns = popped[:t2] + (popped[t2] + top,) + popped[t2 + 1 :]
                             nxt.append(((ns, part), cm.collective("all_to_all", dims, n)))
             for r in range(2, len(part) + 1):
                 for sub in itertools.combinations(sorted(part), r):
                     nxt.append(((stacks, part - set(sub)), cm.collective("all_reduce", sub, n)))
                     for order in itertools.permutations(sub):
                         for t2 in range(len(stacks)):
-                            ns = stacks[:t2] + (stacks[t2] + tuple((m, 1) for m in order),) + stacks[t2 + 1:]
-                            nxt.append(((ns, part - set(sub)), cm.collective("reduce_scatter", sub, n)))
+                            ns = (
+                                stacks[:t2]
+                                + (stacks[t2] + tuple((m, 1) for m in order),)
+                                + stacks[t2 + 1 :]
+                            )
+                            nxt.append(
+                                ((ns, part - set(sub)), cm.collective("reduce_scatter", sub, n))
+                            )
         busy = {m for lv in stacks for m, _ in lv} | part
         for m in range(len(k)):
             if m in part:
                 nxt.append(((stacks, part - {m}), cm.collective("all_reduce", (m,), n)))
                 for t2 in range(len(stacks)):
-                    ns = stacks[:t2] + (stacks[t2] + ((m, 1),),) + stacks[t2 + 1:]
+                    ns = stacks[:t2] + (stacks[t2] + ((m, 1),),) + stacks[t2 + 1 :]
                     nxt.append(((ns, part - {m}), cm.collective("reduce_scatter", (m,), n)))
             elif m not in busy:
                 for t2 in range(len(stacks)):
-                    ns = stacks[:t2] + (stacks[t2] + ((m, 1),),) + stacks[t2 + 1:]
+                    ns = stacks[:t2] + (stacks[t2] + ((m, 1),),) + stacks[t2 + 1 :]
                     nxt.append(((ns, part), 0.0))
                 if m in goal[1]:
                     nxt.append(((stacks, part | {m}), 0.0))
@@ -110,7 +125,9 @@ def test_astar_matches_brute_force(mesh_shape, fuse):
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice([8, 64, 512, 96]) for _ in range(ndim))
         src, dst = _random_pl(rng, len(mesh_shape), ndim), _random_pl(rng, len(mesh_shape), ndim)
-        plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False, multi_dim_collectives=fuse)
+        plan = fxshard.plan_redistribute(
+            mesh, src, dst, shape, cost_model=cm, cache=False, multi_dim_collectives=fuse
+        )
         ref = brute_force_cost(mesh, src, dst, shape, cm, fuse=fuse)
         assert plan.cost == pytest.approx(ref, rel=1e-9, abs=1e-9), (src, dst, shape, str(plan))
         if fuse:
@@ -141,15 +158,25 @@ def test_astar_matches_brute_force_with_shard_orders(mesh_shape):
         shape = tuple(rng.choice([64, 96, 512]) for _ in range(ndim))
         src, dst = _random_pl(rng, len(mesh_shape), ndim), _random_pl(rng, len(mesh_shape), ndim)
         so, do = _random_order(rng, src), _random_order(rng, dst)
-        plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False, src_order=so,
-                                         dst_order=do)
+        plan = fxshard.plan_redistribute(
+            mesh, src, dst, shape, cost_model=cm, cache=False, src_order=so, dst_order=do
+        )
         ref = brute_force_cost(mesh, src, dst, shape, cm, src_order=so, dst_order=do)
-        assert plan.cost == pytest.approx(ref, rel=1e-9, abs=1e-9), (src, so, dst, do, shape, str(plan))
+        assert plan.cost == pytest.approx(ref, rel=1e-9, abs=1e-9), (
+            src,
+            so,
+            dst,
+            do,
+            shape,
+            str(plan),
+        )
         assert plan.levels[0] == plan.src.levels and plan.levels[-1] == plan.dst.levels
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-@pytest.mark.parametrize("mesh_shape,shape", [((2, 4), (8, 16)), ((4, 2), (8, 6, 4)), ((2, 2, 2), (4, 8))])
+@pytest.mark.parametrize(
+    "mesh_shape,shape", [((2, 4), (8, 16)), ((4, 2), (8, 6, 4)), ((2, 2, 2), (4, 8))]
+)
 def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
     """One Dijkstra run from a source, and the closed state graph (what plan="auto" uses for all
     pairs), give exactly the A* costs over every even placement incl. mixed reduce ops and a
@@ -159,7 +186,9 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
 
     mesh = fxshard.MeshSpec(mesh_shape)
     cm = CostModel(mesh)
-    opts = [R, Partial("sum"), Partial("avg"), Partial("max")] + [Shard(d) for d in range(len(shape))]
+    opts = [R, Partial("sum"), Partial("avg"), Partial("max")] + [
+        Shard(d) for d in range(len(shape))
+    ]
     if len(mesh_shape) > 2:
         opts.remove(Partial("avg"))  # fewer pairs; avg is covered on the 2-D meshes
     specs = []
@@ -170,9 +199,18 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
             continue
         if is_even(s):
             specs.append(s)
-    big = next(d for d in range(len(shape)) if shape[d] % math.prod(mesh_shape) == 0)  # a non-default order
-    specs.append(ShardingSpec.make(mesh, (Shard(big),) * len(mesh_shape), shape, torch.float32,
-                                   {big: tuple(reversed(range(len(mesh_shape))))}))
+    big = next(
+        d for d in range(len(shape)) if shape[d] % math.prod(mesh_shape) == 0
+    )  # a non-default order
+    specs.append(
+        ShardingSpec.make(
+            mesh,
+            (Shard(big),) * len(mesh_shape),
+            shape,
+            torch.float32,
+            {big: tuple(reversed(range(len(mesh_shape))))},
+        )
+    )
     assert is_even(specs[-1])
     table = pairwise_costs(specs, cm, even_only=True, fuse=fuse)
     for i, a in enumerate(specs):
@@ -190,8 +228,10 @@ def test_pairwise_costs_do_not_depend_on_the_other_placements():
 
     mesh = fxshard.MeshSpec((2, 2))
     cm = CostModel(mesh)
-    specs = [ShardingSpec.make(mesh, pl, (4,), torch.float32)
-             for pl in ((P, P), (R, R), (Partial("max"), R), (Partial("avg"), Partial("sum")))]
+    specs = [
+        ShardingSpec.make(mesh, pl, (4,), torch.float32)
+        for pl in ((P, P), (R, R), (Partial("max"), R), (Partial("avg"), Partial("sum")))
+    ]
     for k in range(2, len(specs) + 1):
         table = pairwise_costs(specs[:k], cm, fuse=True)
         for i in range(k):
@@ -211,7 +251,10 @@ def test_never_worse_than_torch_graph_planner():
         for _ in range(25):
             ndim = rng.randint(1, 3)
             shape = tuple(rng.choice([16, 128, 1024 // ndim]) for _ in range(ndim))
-            src, dst = _random_pl(rng, len(mesh_shape), ndim), _random_pl(rng, len(mesh_shape), ndim)
+            src, dst = (
+                _random_pl(rng, len(mesh_shape), ndim),
+                _random_pl(rng, len(mesh_shape), ndim),
+            )
             plan = fxshard.plan_redistribute(mesh, src, dst, shape, cost_model=cm, cache=False)
             tsrc, steps = adapter.torch_plan(dm, src, dst, shape, torch.float32, graph=True)
             ours = adapter.torch_score(tsrc, [(s.mesh_dims[0], s.src, s.dst) for s in plan.steps])
@@ -219,7 +262,8 @@ def test_never_worse_than_torch_graph_planner():
             assert ours <= adapter.torch_score(tsrc, steps) + 1e-9, (src, dst, shape)
 
 
-# ---- property tests ---------------------------------------------------------------------------------
+# ---- property tests ------------------------------------------------------------------------------
+
 
 @st.composite
 def problems(draw, max_mesh_ndim=5):
@@ -274,10 +318,16 @@ def test_plan_is_valid_and_cost_replays(prob):
         assert changed == list(step.mesh_dims) or a2a_same_dim
         m = step.mesh_dims[0]
         s_, d_ = before[m], after[m]
-        assert not (isinstance(s_, Shard) and isinstance(d_, Partial)), "Shard -> Partial is impossible"
+        assert not (isinstance(s_, Shard) and isinstance(d_, Partial)), (
+            "Shard -> Partial is impossible"
+        )
         local = math.prod(shape) * 4 / math.prod(mesh.shape[x] for st_ in lv for x, _ in st_)
-        expect = {"all_gather": "all_gather", "all_to_all": "all_to_all", "all_reduce": "all_reduce",
-                  "reduce_scatter": "reduce_scatter"}.get(step.collective)
+        expect = {
+            "all_gather": "all_gather",
+            "all_to_all": "all_to_all",
+            "all_reduce": "all_reduce",
+            "reduce_scatter": "reduce_scatter",
+        }.get(step.collective)
         c = cm.collective(expect, (m,), local) if expect else 0.0
         assert step.cost == pytest.approx(c, rel=1e-9, abs=1e-12)
         replay += c
@@ -286,13 +336,16 @@ def test_plan_is_valid_and_cost_replays(prob):
 
 # ---- strided placements (the seed's TODO transitions) -------------------------------------------
 
+
 def test_strided_transitions_plan_and_cost():
     mesh = fxshard.MeshSpec((4,))
-    for src, dst in [((StridedShard(0, split_factor=2),), (Shard(0),)),
-                     ((Shard(0),), (StridedShard(0, split_factor=2),)),
-                     ((P,), (StridedShard(0, split_factor=2),)),
-                     ((R,), (StridedShard(0, split_factor=2),)),
-                     ((StridedShard(0, split_factor=2),), (R,))]:
+    for src, dst in [
+        ((StridedShard(0, split_factor=2),), (Shard(0),)),
+        ((Shard(0),), (StridedShard(0, split_factor=2),)),
+        ((P,), (StridedShard(0, split_factor=2),)),
+        ((R,), (StridedShard(0, split_factor=2),)),
+        ((StridedShard(0, split_factor=2),), (R,)),
+    ]:
         plan = fxshard.plan_redistribute(mesh, src, dst, (16, 4))
         kinds = [s.collective for s in plan.steps]
         assert len([k for k in kinds if k]) <= 1, (src, dst, kinds)
@@ -303,30 +356,41 @@ def test_strided_that_is_a_shard_order_is_recognised():
     a = ShardingSpec.make(mesh, (StridedShard(0, split_factor=2), Shard(0)), (8, 8))
     b = ShardingSpec.make(mesh, (Shard(0), Shard(0)), (8, 8), shard_order={0: (1, 0)})
     assert a.levels == b.levels
-    assert fxshard.plan_redistribute(mesh, a.placements, (Shard(0), Shard(0)), (8, 8),
-                                     src_order={0: (1, 0)}).cost == \
-        fxshard.plan_redistribute(mesh, (StridedShard(0, split_factor=2), Shard(0)), (Shard(0), Shard(0)),
-                                  (8, 8)).cost
+    assert (
+        fxshard.plan_redistribute(
+            mesh, a.placements, (Shard(0), Shard(0)), (8, 8), src_order={0: (1, 0)}
+        ).cost
+        == fxshard.plan_redistribute(
+            mesh, (StridedShard(0, split_factor=2), Shard(0)), (Shard(0), Shard(0)), (8, 8)
+        ).cost
+    )
 
 
 # ---- errors --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src,shape,msg", [
-    ((R,), (4, 4), "2 placements .* for a 1-D mesh|1 placements .* for a 2-D mesh"),
-    ((Shard(2), R), (4, 4), "tensor dim 2, out of range for a 2-D tensor"),
-    ((Partial("sum"), Partial("max")), (4, 4), "mixed Partial kinds"),
-    (("S0", R), (4, 4), "unknown placement 'S0'"),
-])
+
+@pytest.mark.parametrize(
+    "src,shape,msg",
+    [
+        ((R,), (4, 4), "2 placements .* for a 1-D mesh|1 placements .* for a 2-D mesh"),
+        ((Shard(2), R), (4, 4), "tensor dim 2, out of range for a 2-D tensor"),
+        ((Partial("sum"), Partial("max")), (4, 4), "mixed Partial kinds"),
+        (("S0", R), (4, 4), "unknown placement 'S0'"),
+    ],
+)
 def test_bad_input_errors(src, shape, msg):
     with pytest.raises(ValueError, match=msg):
         fxshard.plan_redistribute(fxshard.MeshSpec((2, 2)), src, (R, R), shape)
 
 
-@pytest.mark.parametrize("src,order", [
-    ((Shard(0), R), {0: (0, 1)}),  # names a mesh dim that does not shard dim 0
-    ((Shard(0), P), {}),  # leaves out a sharded dim
-    ((Shard(0), Shard(1)), {0: (0,)}),
-])
+@pytest.mark.parametrize(
+    "src,order",
+    [
+        ((Shard(0), R), {0: (0, 1)}),  # names a mesh dim that does not shard dim 0
+        ((Shard(0), P), {}),  # leaves out a sharded dim
+        ((Shard(0), Shard(1)), {0: (0,)}),
+    ],
+)
 def test_bad_shard_order_error(src, order):
     with pytest.raises(ValueError, match="does not match the placements"):
         fxshard.plan_redistribute(fxshard.MeshSpec((2, 2)), src, (R, R), (4, 4), src_order=order)
@@ -334,8 +398,9 @@ def test_bad_shard_order_error(src, order):
 
 def test_plan_api_shape():
     mesh = fxshard.MeshSpec((2, 4), names=("dp", "tp"))
-    p = fxshard.plan_redistribute(mesh, src=(Shard(0), Partial()), dst=(R, Shard(1)), shape=(1024, 512),
-                                  dtype=torch.float32)
+    p = fxshard.plan_redistribute(
+        mesh, src=(Shard(0), Partial()), dst=(R, Shard(1)), shape=(1024, 512), dtype=torch.float32
+    )
     assert [s.collective for s in p.steps].count("reduce_scatter") == 1
     assert p.cost == pytest.approx(sum(s.cost for s in p.steps))
     assert all(isinstance(s.mesh_dims, tuple) for s in p.steps)
@@ -347,8 +412,11 @@ def test_even_only_plans_stay_even(prob):
     from fxshard.core.spec import is_even
 
     mesh, _, (a, oa), (b, ob), _ = prob
-    shape = tuple(24 for _ in range(max(p.dim for p in (*a, *b) if isinstance(p, Shard)) + 1)) \
-        if any(isinstance(p, Shard) for p in (*a, *b)) else (24,)
+    shape = (
+        tuple(24 for _ in range(max(p.dim for p in (*a, *b) if isinstance(p, Shard)) + 1))
+        if any(isinstance(p, Shard) for p in (*a, *b))
+        else (24,)
+    )
     try:
         src = ShardingSpec.make(mesh, a, shape, shard_order=oa)
         dst = ShardingSpec.make(mesh, b, shape, shard_order=ob)
@@ -360,8 +428,12 @@ def test_even_only_plans_stay_even(prob):
     free = fxshard.plan_redistribute(mesh, a, b, shape, src_order=oa, dst_order=ob)
     assert plan.cost >= free.cost - 1e-9
     for lv, part in zip(plan.levels, plan.partials):
-        spec = ShardingSpec.make(mesh, fxshard.core.spec.levels_to_placements(lv, part, mesh.ndim), shape,
-                                 shard_order={d: tuple(m for m, _ in st) for d, st in enumerate(lv) if st})
+        spec = ShardingSpec.make(
+            mesh,
+            fxshard.core.spec.levels_to_placements(lv, part, mesh.ndim),
+            shape,
+            shard_order={d: tuple(m for m, _ in st) for d, st in enumerate(lv) if st},
+        )
         assert is_even(spec), str(plan)
 
 
@@ -375,12 +447,25 @@ def test_regressions_found_by_review():
     def check(mesh, cm, src, dst, shape, **kw):
         s, d = ShardingSpec.make(mesh, src, shape), ShardingSpec.make(mesh, dst, shape)
         want = costs_from(s, [d], cm, **kw)[0]
-        assert plan_between(s, d, cm, cache=False, **kw).cost == pytest.approx(want, rel=1e-12), (src, dst, shape)
+        assert plan_between(s, d, cm, cache=False, **kw).cost == pytest.approx(want, rel=1e-12), (
+            src,
+            dst,
+            shape,
+        )
 
     mesh = fxshard.MeshSpec((8, 8))
-    check(mesh, CostModel(mesh), (P, R), (R, R), (4, 4096, 14336), even_only=True)  # reduce-scatter on dim 1
+    check(
+        mesh, CostModel(mesh), (P, R), (R, R), (4, 4096, 14336), even_only=True
+    )  # reduce-scatter on dim 1
     mesh = fxshard.MeshSpec((2, 3), devices_per_host=3)
-    check(mesh, CostModel(mesh), (Shard(0), Partial("avg")), (Partial("avg"), Shard(0)), (442207085,), fuse=True)
+    check(
+        mesh,
+        CostModel(mesh),
+        (Shard(0), Partial("avg")),
+        (Partial("avg"), Shard(0)),
+        (442207085,),
+        fuse=True,
+    )
 
     class Duck:  # only .mesh and .collective: nothing known about its fused costs
         def __init__(self, cm):
@@ -390,14 +475,26 @@ def test_regressions_found_by_review():
             return self._cm.collective(kind, dims, n)
 
     mesh = fxshard.MeshSpec((3, 4), bandwidth=(0.5, 200), latency=(0, 1))
-    check(mesh, Duck(CostModel(mesh, base_latency_us=0.0)), (Partial("max"), Partial("max")), (R, Shard(0)), (24,),
-          fuse=True)
+    check(
+        mesh,
+        Duck(CostModel(mesh, base_latency_us=0.0)),
+        (Partial("max"), Partial("max")),
+        (R, Shard(0)),
+        (24,),
+        fuse=True,
+    )
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4), (2, 2, 2)])
-@pytest.mark.parametrize("src,dst,kind", [
-    ("SS", "RR", "all_gather"), ("PP", "SS", "reduce_scatter"), ("PP", "RR", "all_reduce"),
-    ("SS", "TT", "all_to_all")])
+@pytest.mark.parametrize(
+    "src,dst,kind",
+    [
+        ("SS", "RR", "all_gather"),
+        ("PP", "SS", "reduce_scatter"),
+        ("PP", "RR", "all_reduce"),
+        ("SS", "TT", "all_to_all"),
+    ],
+)
 def test_fusable_patterns_become_one_collective(mesh_shape, src, dst, kind):
     n = len(mesh_shape)
     code = {"S": Shard(0), "T": Shard(1), "R": R, "P": P}
@@ -407,17 +504,22 @@ def test_fusable_patterns_become_one_collective(mesh_shape, src, dst, kind):
     fused = fxshard.plan_redistribute(mesh, s, d, (64, 64), multi_dim_collectives=True)
     plain = fxshard.plan_redistribute(mesh, s, d, (64, 64))
     colls = [st for st in fused.steps if st.collective]
-    assert [c.collective for c in colls] == [kind] and colls[0].mesh_dims == tuple(range(n)), str(fused)
+    assert [c.collective for c in colls] == [kind] and colls[0].mesh_dims == tuple(range(n)), str(
+        fused
+    )
     assert len([st for st in plain.steps if st.collective]) == n
     assert fused.cost < plain.cost
 
 
 def test_mixed_sum_and_avg_reduce_in_one_all_reduce():
-    """Partial(sum) on one mesh dim, Partial(avg) on another: one sum all-reduce over both, then a scale."""
+    """Partial(sum) on one mesh dim, Partial(avg) on another: one sum all-reduce over both, then a
+    scale."""
     mesh = fxshard.MeshSpec((2, 4))
     src = (Partial("sum"), Partial("avg"))
     plan = fxshard.plan_redistribute(mesh, src, (R, R), (8, 8), multi_dim_collectives=True)
-    assert [(s.collective, s.mesh_dims) for s in plan.steps if s.collective] == [("all_reduce", (0, 1))]
+    assert [(s.collective, s.mesh_dims) for s in plan.steps if s.collective] == [
+        ("all_reduce", (0, 1))
+    ]
     full = torch.randn(8, 8)
     with SimulatedMesh((2, 4)) as sim:
         x = sim.distribute(full, plan.src, partial_seed=0)

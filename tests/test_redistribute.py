@@ -13,8 +13,11 @@ def test_one_node_per_value_and_placement_shared_by_consumers():
         return x.sum(0) + 1, x.sum(0) * 2, x.max(0).values
 
     x = torch.randn(8, 4)
-    c = fxshard.annotate(fxshard.capture(f, (x,), mesh=fxshard.MeshSpec((2,))),
-                         input_placements=[(Shard(0),)], output_placements=[(Replicate(),)] * 3)
+    c = fxshard.annotate(
+        fxshard.capture(f, (x,), mesh=fxshard.MeshSpec((2,))),
+        input_placements=[(Shard(0),)],
+        output_placements=[(Replicate(),)] * 3,
+    )
     fxshard.redistribute(c)
     red = [n for n in c.gm.graph.nodes if info(n).kind == NodeKind.REDISTRIBUTE]
     plans = {(n.args[0], str(info(n).spec)) for n in red}
@@ -34,9 +37,13 @@ def test_a_partial_value_is_reduced_before_it_is_handed_back():
         return a @ b
 
     a, b = torch.randn(4, 8), torch.randn(8, 3)
-    c = fxshard.annotate(fxshard.capture(f, (a, b), mesh=fxshard.MeshSpec((2,))),
-                         input_placements=[(Shard(1),), (Shard(0),)])
+    c = fxshard.annotate(
+        fxshard.capture(f, (a, b), mesh=fxshard.MeshSpec((2,))),
+        input_placements=[(Shard(1),), (Shard(0),)],
+    )
     fxshard.redistribute(c)
     (r,) = [n for n in c.gm.graph.nodes if info(n).kind == NodeKind.REDISTRIBUTE]
-    assert isinstance(info(r).input_specs[0].placements[0], Partial) and info(r).spec.placements == (Replicate(),)
+    assert isinstance(info(r).input_specs[0].placements[0], Partial) and info(
+        r
+    ).spec.placements == (Replicate(),)
     assert [s.collective for s in info(r).plan.steps] == ["all_reduce"]

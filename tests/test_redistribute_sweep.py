@@ -31,7 +31,8 @@ def all_placements(mesh_ndim, ndim, mixed=False):
 
 
 def nondefault_order(pl):
-    """A reversed shard order for every tensor dim sharded by 2+ mesh dims (None if there is none)."""
+    """A reversed shard order for every tensor dim sharded by 2+ mesh dims (None if there is
+    none)."""
     by_dim = {}
     for m, p in enumerate(pl):
         if isinstance(p, Shard):
@@ -46,7 +47,9 @@ def check_pairs(sim, full, pairs, fuse=False):
     coord = mesh_coordinate(sim.device_mesh)
     fused = 0
     for i, (src, dst, order) in enumerate(pairs):
-        plan = fxshard.plan_redistribute(sim.spec, src, dst, full.shape, src_order=order, multi_dim_collectives=fuse)
+        plan = fxshard.plan_redistribute(
+            sim.spec, src, dst, full.shape, src_order=order, multi_dim_collectives=fuse
+        )
         fused += any(len(s.mesh_dims) > 1 for s in plan.steps)
         x = sim.distribute(full, plan.src, partial_seed=i)
         y = execute_plan(plan, x, groups, coord)
@@ -54,7 +57,11 @@ def check_pairs(sim, full, pairs, fuse=False):
         reduces = any(isinstance(p, Partial) for p in (*src, *dst))
         if reduces:
             # bf16 addends round: the tolerance is bf16's
-            tol = dict(rtol=1e-6, atol=1e-5) if full.dtype == torch.float32 else dict(rtol=5e-2, atol=0.15)
+            tol = (
+                dict(rtol=1e-6, atol=1e-5)
+                if full.dtype == torch.float32
+                else dict(rtol=5e-2, atol=0.15)
+            )
             torch.testing.assert_close(got, full, **tol, msg=lambda m, plan=plan: f"{plan}: {m}")
         else:
             assert torch.equal(got, full), f"{plan}: data movement is not bit-exact"
@@ -71,9 +78,9 @@ def sweep_cases(mesh, shape, sample=None, seed=0, mixed=False):
 
 
 # Every pair on the small meshes; on the 8-rank cube the pairs number ~45k per shape, so there every
-# source is paired with every destination for the 3-D uneven shape and a fixed random sample is taken
-# for the other shapes (the planner's choices on the cube are also cross-checked exhaustively, without
-# execution, in test_planner.py).
+# source is paired with every destination for the 3-D uneven shape and a fixed random sample is
+# taken for the other shapes (the planner's choices on the cube are also cross-checked exhaustively,
+# without execution, in test_planner.py).
 CASES = [(m, s) for m in MESHES for s in SHAPES]
 
 
@@ -89,12 +96,19 @@ def test_pytorch_194457_strided_flattened_case():
     """(5,3), [S(0),S(0)] -> [R,R] on 2x2: torch corrupts this when a flattened mesh exists."""
     full = torch.randn(5, 3)
     with SimulatedMesh((2, 2)) as sim:
-        check_pairs(sim, full, [((Shard(0), Shard(0)), (Replicate(), Replicate()), None),
-                                ((Shard(0), Shard(0)), (Replicate(), Replicate()), {0: (1, 0)})])
+        check_pairs(
+            sim,
+            full,
+            [
+                ((Shard(0), Shard(0)), (Replicate(), Replicate()), None),
+                ((Shard(0), Shard(0)), (Replicate(), Replicate()), {0: (1, 0)}),
+            ],
+        )
 
 
 def test_spec_matches_dtensor_chunking():
-    """Our local shapes / indices equal DTensor's distribute_tensor for every default-order placement."""
+    """Our local shapes / indices equal DTensor's distribute_tensor for every default-order
+    placement."""
     from torch.distributed.tensor import distribute_tensor
 
     from fxshard._torch import local_tensor_values
@@ -115,16 +129,25 @@ def test_spec_matches_dtensor_chunking():
 def _strided_options(ndim):
     from fxshard._torch import StridedShard
 
-    return ([Replicate(), Partial("sum")] + [Shard(d) for d in range(ndim)]
-            + [StridedShard(d, split_factor=sf) for d in range(ndim) for sf in (2, 3)])
+    return (
+        [Replicate(), Partial("sum")]
+        + [Shard(d) for d in range(ndim)]
+        + [StridedShard(d, split_factor=sf) for d in range(ndim) for sf in (2, 3)]
+    )
 
 
-@pytest.mark.parametrize("mesh,shape", [((4,), (12, 6)), ((4,), (7, 5)), ((2, 2), (12, 6)), ((2, 3), (12, 5))])
+@pytest.mark.parametrize(
+    "mesh,shape", [((4,), (12, 6)), ((4,), (7, 5)), ((2, 2), (12, 6)), ((2, 3), (12, 5))]
+)
 def test_strided_sweep(mesh, shape):
-    """_StridedShard <-> Shard, Partial -> _StridedShard, R <-> _StridedShard ... executed exactly."""
+    """_StridedShard <-> Shard, Partial -> _StridedShard, R <-> _StridedShard ... executed
+    exactly."""
     opts = _strided_options(len(shape))
-    pls = [pl for pl in itertools.product(opts, repeat=len(mesh))
-           if sum(isinstance(p, Partial) for p in pl) <= 2]
+    pls = [
+        pl
+        for pl in itertools.product(opts, repeat=len(mesh))
+        if sum(isinstance(p, Partial) for p in pl) <= 2
+    ]
     rng = random.Random(1)
     pairs = [(s, d, None) for s in pls for d in pls]
     if len(pairs) > 400:
@@ -134,7 +157,8 @@ def test_strided_sweep(mesh, shape):
 
 
 def test_strided_spec_matches_torch_split():
-    """Our _StridedShard layout is torch's own _StridedShard._split_tensor, uneven sizes included."""
+    """Our _StridedShard layout is torch's own _StridedShard._split_tensor, uneven sizes
+    included."""
     from fxshard._torch import StridedShard
 
     for shape in [(16, 12), (13, 7)]:
@@ -168,15 +192,21 @@ def test_traced_plan_is_rank_agnostic(mesh, shape):
         while done < 40:
             src, dst = rng.choice(pls), rng.choice(pls)
             order = nondefault_order(src) if rng.random() < 0.5 else None
-            if not (is_even(ShardingSpec.make(sim.spec, src, shape, shard_order=order))
-                    and is_even(ShardingSpec.make(sim.spec, dst, shape))):
+            if not (
+                is_even(ShardingSpec.make(sim.spec, src, shape, shard_order=order))
+                and is_even(ShardingSpec.make(sim.spec, dst, shape))
+            ):
                 continue
             done += 1
-            plan = fxshard.plan_redistribute(sim.spec, src, dst, shape, src_order=order, even_only=True)
+            plan = fxshard.plan_redistribute(
+                sim.spec, src, dst, shape, src_order=order, even_only=True
+            )
             x = sim.distribute(full, plan.src, partial_seed=1)
             with sim._mode.disable():
                 gm = make_fx(functools.partial(_run_plan, plan, groups))(
-                    torch.empty(plan.src.local_shape((0,) * len(mesh))), torch.zeros(len(mesh), dtype=torch.long))
+                    torch.empty(plan.src.local_shape((0,) * len(mesh))),
+                    torch.zeros(len(mesh), dtype=torch.long),
+                )
             text = gm.code
             assert "rank" not in text
             got = sim.assemble(gm(x, coord), plan.dst)
@@ -191,12 +221,19 @@ def test_tracing_uneven_is_a_clear_error():
         execute_plan(plan, torch.randn(5), ["0"], torch.zeros(1, dtype=torch.long))
 
 
-FUSED = [((2, 2), (8, 8), torch.float32), ((2, 2), (5, 3), torch.bfloat16), ((2, 4), (8, 8, 4), torch.float32),
-         ((2, 4), (7, 6, 4), torch.bfloat16), ((2, 2, 2), (8, 4, 6), torch.float32),
-         ((2, 2, 2), (7, 6, 4), torch.float32)]
+FUSED = [
+    ((2, 2), (8, 8), torch.float32),
+    ((2, 2), (5, 3), torch.bfloat16),
+    ((2, 4), (8, 8, 4), torch.float32),
+    ((2, 4), (7, 6, 4), torch.bfloat16),
+    ((2, 2, 2), (8, 4, 6), torch.float32),
+    ((2, 2, 2), (7, 6, 4), torch.float32),
+]
 
 
-@pytest.mark.parametrize("mesh,shape,dtype", FUSED, ids=[f"{m}-{s}-{str(d)[6:]}" for m, s, d in FUSED])
+@pytest.mark.parametrize(
+    "mesh,shape,dtype", FUSED, ids=[f"{m}-{s}-{str(d)[6:]}" for m, s, d in FUSED]
+)
 def test_fused_sweep(mesh, shape, dtype):
     """Plans with collectives over flattened mesh dims (all-gather, reduce-scatter, all-reduce,
     all-to-all) compute exactly what the unfused ones do."""

@@ -10,7 +10,15 @@ import sys
 import expecttest
 import pytest
 import torch
-from models import MLP, Llama, example_input, init_weights, megatron_tp_plan, mlp_plan, sequence_parallel_plan
+from models import (
+    MLP,
+    Llama,
+    example_input,
+    init_weights,
+    megatron_tp_plan,
+    mlp_plan,
+    sequence_parallel_plan,
+)
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -19,7 +27,10 @@ import fxshard
 
 def mlp_sp_plan():
     """Sequence parallel around the MLP: sequence-sharded in and out, gathered for the colwise layer."""
-    return {"fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1))}
+    return {
+        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +51,9 @@ def llama_sp():
 
 class TestGolden(expecttest.TestCase):
     def test_explain_mlp_tp(self):
-        self.assertExpectedInline(program(MLP(), mlp_plan(), fxshard.MeshSpec((2,))).explain(), """\
+        self.assertExpectedInline(
+            program(MLP(), mlp_plan(), fxshard.MeshSpec((2,))).explain(),
+            """\
 fxshard plan on mesh (2,)
 module  op                placements  where      why                           collectives
 fc1     param fc1.weight  S(0)                   fc1: ColwiseParallel
@@ -55,10 +68,13 @@ fc2     redistribute      R -> P      zoo.py:34  addmm needs P
 fc2     redistribute      P -> R      zoo.py:34  fc2: RowwiseParallel (out:0)  all_reduce[0] 2048B 7.82us
 fc2     boundary out:0    R           zoo.py:34  fc2: RowwiseParallel (out:0)
 
-forward: all_reduce x1 (2048 B, 7.82 us); total 2048 B, 7.82 us per step""")
+forward: all_reduce x1 (2048 B, 7.82 us); total 2048 B, 7.82 us per step""",
+        )
 
     def test_explain_llama_tp(self):
-        self.assertExpectedInline(llama_tp().explain(), """\
+        self.assertExpectedInline(
+            llama_tp().explain(),
+            """\
 fxshard plan on mesh (2, 4) ('dp', 'tp')
 module                      op                                       placements      where       why                                                collectives
 tok_embeddings              param tok_embeddings.weight              RR                          replicated (no plan entry)
@@ -82,9 +98,9 @@ layers.0-1.attention.wk     boundary in:0                            S(0)R      
 layers.0-1.attention.wk     boundary out:0                           S(0)S(2)        zoo.py:122  layers.*.attention.wk: ColwiseParallel (out:0)
 layers.0-1.attention.wv     boundary in:0                            S(0)R           zoo.py:123  layers.*.attention.wv: ColwiseParallel (in:0)
 layers.0-1.attention.wv     boundary out:0                           S(0)S(2)        zoo.py:123  layers.*.attention.wv: ColwiseParallel (out:0)
-layers.0-1.attention.wo     boundary in:0                            S(0)S(2)        zoo.py:131  layers.*.attention.wo: RowwiseParallel (in:0)
-layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)R  zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)     all_reduce[1] 4096B 10.27us
-layers.0-1.attention.wo     boundary out:0                           S(0)R           zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)
+layers.0-1.attention.wo     boundary in:0                            S(0)S(2)        zoo.py:139  layers.*.attention.wo: RowwiseParallel (in:0)
+layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)R  zoo.py:139  layers.*.attention.wo: RowwiseParallel (out:0)     all_reduce[1] 4096B 10.27us
+layers.0-1.attention.wo     boundary out:0                           S(0)R           zoo.py:139  layers.*.attention.wo: RowwiseParallel (out:0)
 layers.0-1.feed_forward.w1  boundary in:0                            S(0)R           zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (in:0)
 layers.0-1.feed_forward.w1  boundary out:0                           S(0)S(2)        zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (out:0)
 layers.0-1.feed_forward.w3  boundary in:0                            S(0)R           zoo.py:47   layers.*.feed_forward.w3: ColwiseParallel (in:0)
@@ -93,10 +109,13 @@ layers.0-1.feed_forward.w2  boundary in:0                            S(0)S(2)   
 layers.0-1.feed_forward.w2  redistribute                             S(0)P -> S(0)R  zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)  all_reduce[1] 4096B 10.27us
 layers.0-1.feed_forward.w2  boundary out:0                           S(0)R           zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)
 
-forward: all_reduce x4 (16384 B, 41.06 us); total 16384 B, 41.06 us per step""")
+forward: all_reduce x4 (16384 B, 41.06 us); total 16384 B, 41.06 us per step""",
+        )
 
     def test_explain_llama_sp(self):
-        self.assertExpectedInline(llama_sp().explain(), """\
+        self.assertExpectedInline(
+            llama_sp().explain(),
+            """\
 fxshard plan on mesh (2, 4) ('dp', 'tp')
 module                      op                                       placements         where       why                                                collectives
 tok_embeddings              param tok_embeddings.weight              RS(0)                          tok_embeddings: RowwiseParallel
@@ -114,24 +133,24 @@ output                      param output.weight                      RS(0)      
 -                           buffer rope_cos                          RR                             replicated (no plan entry)
 -                           buffer rope_sin                          RR                             replicated (no plan entry)
 -                           input 0                                  S(0)R                          input (plan hint)
-tok_embeddings              boundary in:0                            S(0)R              zoo.py:161  tok_embeddings: RowwiseParallel (in:0)
-tok_embeddings              redistribute                             S(0)P -> S(0)S(1)  zoo.py:161  tok_embeddings: RowwiseParallel (out:0)            reduce_scatter[1] 4096B 8.43us
-tok_embeddings              boundary out:0                           S(0)S(1)           zoo.py:161  tok_embeddings: RowwiseParallel (out:0)
-layers.0-1.attention_norm   boundary in:0                            S(0)S(1)           zoo.py:143  layers.*.attention_norm: SequenceParallel (in:0)
-layers.0-1.attention        redistribute                             S(0)S(1) -> S(0)R  zoo.py:143  layers.*.attention: PrepareModuleInput (in:0)      all_gather[1] 1024B 8.43us
-layers.0-1.attention        boundary in:0                            S(0)R              zoo.py:143  layers.*.attention: PrepareModuleInput (in:0)
+tok_embeddings              boundary in:0                            S(0)R              zoo.py:169  tok_embeddings: RowwiseParallel (in:0)
+tok_embeddings              redistribute                             S(0)P -> S(0)S(1)  zoo.py:169  tok_embeddings: RowwiseParallel (out:0)            reduce_scatter[1] 4096B 8.43us
+tok_embeddings              boundary out:0                           S(0)S(1)           zoo.py:169  tok_embeddings: RowwiseParallel (out:0)
+layers.0-1.attention_norm   boundary in:0                            S(0)S(1)           zoo.py:151  layers.*.attention_norm: SequenceParallel (in:0)
+layers.0-1.attention        redistribute                             S(0)S(1) -> S(0)R  zoo.py:151  layers.*.attention: PrepareModuleInput (in:0)      all_gather[1] 1024B 8.43us
+layers.0-1.attention        boundary in:0                            S(0)R              zoo.py:151  layers.*.attention: PrepareModuleInput (in:0)
 layers.0-1.attention.wq     boundary in:0                            S(0)R              zoo.py:121  layers.*.attention.wq: ColwiseParallel (in:0)
 layers.0-1.attention.wq     boundary out:0                           S(0)S(2)           zoo.py:121  layers.*.attention.wq: ColwiseParallel (out:0)
 layers.0-1.attention.wk     boundary in:0                            S(0)R              zoo.py:122  layers.*.attention.wk: ColwiseParallel (in:0)
 layers.0-1.attention.wk     boundary out:0                           S(0)S(2)           zoo.py:122  layers.*.attention.wk: ColwiseParallel (out:0)
 layers.0-1.attention.wv     boundary in:0                            S(0)R              zoo.py:123  layers.*.attention.wv: ColwiseParallel (in:0)
 layers.0-1.attention.wv     boundary out:0                           S(0)S(2)           zoo.py:123  layers.*.attention.wv: ColwiseParallel (out:0)
-layers.0-1.attention.wo     boundary in:0                            S(0)S(2)           zoo.py:131  layers.*.attention.wo: RowwiseParallel (in:0)
-layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)S(1)  zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)     reduce_scatter[1] 4096B 8.43us
-layers.0-1.attention.wo     boundary out:0                           S(0)S(1)           zoo.py:131  layers.*.attention.wo: RowwiseParallel (out:0)
-layers.0-1.ffn_norm         boundary in:0                            S(0)S(1)           zoo.py:144  layers.*.ffn_norm: SequenceParallel (in:0)
-layers.0-1.feed_forward     redistribute                             S(0)S(1) -> S(0)R  zoo.py:144  layers.*.feed_forward: PrepareModuleInput (in:0)   all_gather[1] 1024B 8.43us
-layers.0-1.feed_forward     boundary in:0                            S(0)R              zoo.py:144  layers.*.feed_forward: PrepareModuleInput (in:0)
+layers.0-1.attention.wo     boundary in:0                            S(0)S(2)           zoo.py:139  layers.*.attention.wo: RowwiseParallel (in:0)
+layers.0-1.attention.wo     redistribute                             S(0)P -> S(0)S(1)  zoo.py:139  layers.*.attention.wo: RowwiseParallel (out:0)     reduce_scatter[1] 4096B 8.43us
+layers.0-1.attention.wo     boundary out:0                           S(0)S(1)           zoo.py:139  layers.*.attention.wo: RowwiseParallel (out:0)
+layers.0-1.ffn_norm         boundary in:0                            S(0)S(1)           zoo.py:152  layers.*.ffn_norm: SequenceParallel (in:0)
+layers.0-1.feed_forward     redistribute                             S(0)S(1) -> S(0)R  zoo.py:152  layers.*.feed_forward: PrepareModuleInput (in:0)   all_gather[1] 1024B 8.43us
+layers.0-1.feed_forward     boundary in:0                            S(0)R              zoo.py:152  layers.*.feed_forward: PrepareModuleInput (in:0)
 layers.0-1.feed_forward.w1  boundary in:0                            S(0)R              zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (in:0)
 layers.0-1.feed_forward.w1  boundary out:0                           S(0)S(2)           zoo.py:47   layers.*.feed_forward.w1: ColwiseParallel (out:0)
 layers.0-1.feed_forward.w3  boundary in:0                            S(0)R              zoo.py:47   layers.*.feed_forward.w3: ColwiseParallel (in:0)
@@ -139,15 +158,18 @@ layers.0-1.feed_forward.w3  boundary out:0                           S(0)S(2)   
 layers.0-1.feed_forward.w2  boundary in:0                            S(0)S(2)           zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (in:0)
 layers.0-1.feed_forward.w2  redistribute                             S(0)P -> S(0)S(1)  zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)  reduce_scatter[1] 4096B 8.43us
 layers.0-1.feed_forward.w2  boundary out:0                           S(0)S(1)           zoo.py:47   layers.*.feed_forward.w2: RowwiseParallel (out:0)
-norm                        boundary in:0                            S(0)S(1)           zoo.py:164  norm: SequenceParallel (in:0)
-output                      redistribute                             S(0)S(1) -> S(0)R  zoo.py:164  output: ColwiseParallel (in:0)                     all_gather[1] 1024B 8.43us
-output                      boundary in:0                            S(0)R              zoo.py:164  output: ColwiseParallel (in:0)
-output                      boundary out:0                           S(0)S(2)           zoo.py:164  output: ColwiseParallel (out:0)
+norm                        boundary in:0                            S(0)S(1)           zoo.py:172  norm: SequenceParallel (in:0)
+output                      redistribute                             S(0)S(1) -> S(0)R  zoo.py:172  output: ColwiseParallel (in:0)                     all_gather[1] 1024B 8.43us
+output                      boundary in:0                            S(0)R              zoo.py:172  output: ColwiseParallel (in:0)
+output                      boundary out:0                           S(0)S(2)           zoo.py:172  output: ColwiseParallel (out:0)
 
-forward: all_gather x5 (5120 B, 42.16 us), reduce_scatter x5 (20480 B, 42.16 us); total 25600 B, 84.32 us per step""")
+forward: all_gather x5 (5120 B, 42.16 us), reduce_scatter x5 (20480 B, 42.16 us); total 25600 B, 84.32 us per step""",
+        )
 
     def test_explain_mlp_sp(self):
-        self.assertExpectedInline(program(MLP(), mlp_sp_plan(), fxshard.MeshSpec((2,))).explain(), """\
+        self.assertExpectedInline(
+            program(MLP(), mlp_sp_plan(), fxshard.MeshSpec((2,))).explain(),
+            """\
 fxshard plan on mesh (2,)
 module  op                placements  where      why                           collectives
 fc1     param fc1.weight  S(0)                   fc1: ColwiseParallel
@@ -163,12 +185,15 @@ fc2     redistribute      R -> P      zoo.py:34  addmm needs P
 fc2     redistribute      P -> S(1)   zoo.py:34  fc2: RowwiseParallel (out:0)  reduce_scatter[0] 2048B 7.21us
 fc2     boundary out:0    S(1)        zoo.py:34  fc2: RowwiseParallel (out:0)
 
-forward: all_gather x1 (1024 B, 7.21 us), reduce_scatter x1 (2048 B, 7.21 us); total 3072 B, 14.42 us per step""")
+forward: all_gather x1 (1024 B, 7.21 us), reduce_scatter x1 (2048 B, 7.21 us); total 3072 B, 14.42 us per step""",
+        )
 
     def test_diff_mlp_tp_vs_sp(self):
         a = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))
         b = program(MLP(), mlp_sp_plan(), fxshard.MeshSpec((2,)))
-        self.assertExpectedInline(fxshard.diff(a, b, names=("tp", "sp")), """\
+        self.assertExpectedInline(
+            fxshard.diff(a, b, names=("tp", "sp")),
+            """\
 --- tp (mesh (2,), 7.82 us of collectives)
 +++ sp (mesh (2,), 14.42 us of collectives)
 @@ fc1: view @@ +7.21 us
@@ -177,16 +202,22 @@ forward: all_gather x1 (1024 B, 7.21 us), reduce_scatter x1 (2048 B, 7.21 us); t
 @@ -: output @@ -0.61 us
 -R  <- all_reduce[0] 2048B
 +S(1)  <- reduce_scatter[0] 2048B
-total: +6.60 us (7.82 -> 14.42)""")
+total: +6.60 us (7.82 -> 14.42)""",
+        )
 
     def test_missed_fusion_is_reported(self):
         def f(x):
             return x * 2
 
-        kw = dict(example_inputs=(torch.randn(8, 4),), input_placements=[(Shard(0), Shard(0))],
-                  output_placements=[(Replicate(), Replicate())])
+        kw = dict(
+            example_inputs=(torch.randn(8, 4),),
+            input_placements=[(Shard(0), Shard(0))],
+            output_placements=[(Replicate(), Replicate())],
+        )
         prog = fxshard.shard(f, fxshard.MeshSpec((2, 2)), multi_dim_collectives=False, **kw)
-        self.assertIn("missed fusion: redistribute all_gather on mesh dims [1] then [0]", prog.explain())
+        self.assertIn(
+            "missed fusion: redistribute all_gather on mesh dims [1] then [0]", prog.explain()
+        )
         fused = fxshard.shard(f, fxshard.MeshSpec((2, 2)), **kw)
         self.assertNotIn("missed fusion", fused.explain())
         self.assertIn("all_gather[0, 1]", fused.explain())
@@ -194,7 +225,9 @@ total: +6.60 us (7.82 -> 14.42)""")
     def test_diff_mlp_plan_vs_replicated(self):
         a = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))
         b = program(MLP(), None, fxshard.MeshSpec((2,)))
-        self.assertExpectedInline(fxshard.diff(a, b, names=("tp", "replicated")), """\
+        self.assertExpectedInline(
+            fxshard.diff(a, b, names=("tp", "replicated")),
+            """\
 --- tp (mesh (2,), 7.82 us of collectives)
 +++ replicated (mesh (2,), 0.00 us of collectives)
 @@ fc1: permute, addmm @@ +0.00 us
@@ -218,10 +251,13 @@ total: +6.60 us (7.82 -> 14.42)""")
 @@ -: output @@ -7.82 us
 -R  <- all_reduce[0] 2048B
 +R
-total: -7.82 us (7.82 -> 0.00)""")
+total: -7.82 us (7.82 -> 0.00)""",
+        )
 
     def test_diff_llama_tp_vs_sp(self):
-        self.assertExpectedInline(fxshard.diff(llama_tp(), llama_sp(), names=("tp", "sp")), """\
+        self.assertExpectedInline(
+            fxshard.diff(llama_tp(), llama_sp(), names=("tp", "sp")),
+            """\
 --- tp (mesh (2, 4), 41.06 us of collectives)
 +++ sp (mesh (2, 4), 84.32 us of collectives)
 @@ tok_embeddings: embedding @@ +0.00 us
@@ -284,7 +320,8 @@ total: -7.82 us (7.82 -> 0.00)""")
 @@ -: output @@ +0.00 us
 -S(0)R
 +S(0)S(2)
-total: +43.26 us (41.06 -> 84.32)""")
+total: +43.26 us (41.06 -> 84.32)""",
+        )
 
     def test_diff_identical(self):
         a = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))
@@ -309,9 +346,16 @@ def test_json_round_trips_to_collectives():
     got = data["collectives"]
     assert len(got) == len(expect)
     for g, e in zip(got, expect):
-        assert g == {**e, "mesh_dims": list(e["mesh_dims"]),
-                     "carries": [{**c, "mesh_dims": list(c["mesh_dims"]), "carries": []} for c in e["carries"]]}
-    assert data["summary"]["all_gather"]["count"] == sum(c.kind == "all_gather" for c in prog.collectives())
+        assert g == {
+            **e,
+            "mesh_dims": list(e["mesh_dims"]),
+            "carries": [
+                {**c, "mesh_dims": list(c["mesh_dims"]), "carries": []} for c in e["carries"]
+            ],
+        }
+    assert data["summary"]["all_gather"]["count"] == sum(
+        c.kind == "all_gather" for c in prog.collectives()
+    )
 
 
 def _chromium():
@@ -326,30 +370,58 @@ def test_html_renders_in_headless_chromium(tmp_path):
     page = tmp_path / "plan.html"
     page.write_text(llama_sp().explain(format="html"))
     text = page.read_text()
-    assert "<svg" in text and "reduce_scatter" in text and "http" not in text.split("<svg", 1)[1].split(
-        "xmlns", 1)[0]  # no external assets
+    assert (
+        "<svg" in text
+        and "reduce_scatter" in text
+        and "http" not in text.split("<svg", 1)[1].split("xmlns", 1)[0]
+    )  # no external assets
     browser = _chromium()
     if browser is None:
-        pytest.skip("Chromium is not installed (make test installs it with apt where it can); "
-                    "the page was generated but not rendered")
+        pytest.skip(
+            "Chromium is not installed (make test installs it with apt where it can); "
+            "the page was generated but not rendered"
+        )
     shot = tmp_path / "plan.png"
-    res = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                          "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                          "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-                          f"--screenshot={shot}", "--window-size=1400,900", page.as_uri()],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1400,900",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert shot.exists() and shot.stat().st_size > 10_000  # a real picture, not an empty page
 
 
 def _run(args, env=None):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_torch_logs_and_trace_artifact(tmp_path):
-    code = ("import fxshard, torch\nfrom fxshard import zoo\nm = zoo.MLP()\n"
-            "fxshard.shard(m, fxshard.MeshSpec((2,)), zoo.mlp_plan(), example_inputs=zoo.example_input(m))\n")
+    code = (
+        "import fxshard, torch\nfrom fxshard import zoo\nm = zoo.MLP()\n"
+        "fxshard.shard(m, fxshard.MeshSpec((2,)), zoo.mlp_plan(), example_inputs=zoo.example_input(m))\n"
+    )
     res = _run(["-c", code], env={"TORCH_LOGS": "fxshard", "TORCH_TRACE": str(tmp_path)})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "fxshard plan:" in res.stderr and "all_reduce" in res.stderr
@@ -364,17 +436,50 @@ def test_cli_explain_and_diff(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "fc1: ColwiseParallel" in res.stdout and "all_reduce" in res.stdout
     out = tmp_path / "plan.json"
-    res = _run(["-m", "fxshard", "explain", "fxshard.zoo:MLP", "--mesh", "2", "--plan", "mlp", "--format", "json",
-                "-o", str(out)])
-    assert res.returncode == 0 and json.loads(out.read_text())["summary"]["all_reduce"]["count"] == 1
-    res = _run(["-m", "fxshard", "diff", "fxshard.zoo:Llama", "--mesh", "2x2", "--plan", "tp", "--plan", "sp"])
+    res = _run(
+        [
+            "-m",
+            "fxshard",
+            "explain",
+            "fxshard.zoo:MLP",
+            "--mesh",
+            "2",
+            "--plan",
+            "mlp",
+            "--format",
+            "json",
+            "-o",
+            str(out),
+        ]
+    )
+    assert (
+        res.returncode == 0 and json.loads(out.read_text())["summary"]["all_reduce"]["count"] == 1
+    )
+    res = _run(
+        [
+            "-m",
+            "fxshard",
+            "diff",
+            "fxshard.zoo:Llama",
+            "--mesh",
+            "2x2",
+            "--plan",
+            "tp",
+            "--plan",
+            "sp",
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("--- tp on 2x2") and "total:" in res.stdout
     factory = tmp_path / "factory.py"
-    factory.write_text("import torch\nfrom fxshard import zoo\n\ndef make():\n"
-                       "    m = zoo.MegatronMLP()\n    return m, (torch.randn(2, 4, 16),)\n\n"
-                       "def plan():\n    return zoo.megatron_mlp_plan()\n")
-    res = _run(["-m", "fxshard", "explain", f"{factory}:make", "--mesh", "4", "--plan", f"{factory}:plan"])
+    factory.write_text(
+        "import torch\nfrom fxshard import zoo\n\ndef make():\n"
+        "    m = zoo.MegatronMLP()\n    return m, (torch.randn(2, 4, 16),)\n\n"
+        "def plan():\n    return zoo.megatron_mlp_plan()\n"
+    )
+    res = _run(
+        ["-m", "fxshard", "explain", f"{factory}:make", "--mesh", "4", "--plan", f"{factory}:plan"]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "w2: RowwiseParallel" in res.stdout
 

@@ -1,4 +1,5 @@
-"""fxshard's expansion of DTensor's single-mesh-dim rules over the mesh gives exactly DTensor's own."""
+"""fxshard's expansion of DTensor's single-mesh-dim rules over the mesh gives exactly DTensor's
+own."""
 
 import itertools
 
@@ -12,9 +13,12 @@ from tests.models import Llama, LlamaConfig, example_input
 
 
 def _candidates_both_ways(monkeypatch, op, args, kwargs, mesh, placements):
-    ref = rules.dtensor_candidates(op, args, kwargs, mesh, placements, drop_strided_shard=True, reference=True)
+    ref = rules.dtensor_candidates(
+        op, args, kwargs, mesh, placements, drop_strided_shard=True, reference=True
+    )
     got = rules.dtensor_candidates(op, args, kwargs, mesh, placements, drop_strided_shard=True)
-    # compared by repr: DTensor's _MaskPartial equals only itself (a fresh mask buffer per rule call)
+    # compared by repr: DTensor's _MaskPartial equals only itself (a fresh mask buffer per rule
+    # call)
     return repr(ref), repr(got)
 
 
@@ -23,9 +27,16 @@ def test_expansion_equals_dtensor_on_a_training_graph(monkeypatch, mesh_shape):
     """Every op of a Llama training step (forward and backward) that DTensor rules per mesh dim,
     under several input placements (replicated, sharded, partial, uneven): the same candidates, in
     the same order."""
-    model = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=48))
-    c = fxshard.capture(model, example_input(model, batch=2, seq=6), mesh=fxshard.MeshSpec(mesh_shape),
-                        training=True, reuse_layers=False)
+    model = Llama(
+        LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=48)
+    )
+    c = fxshard.capture(
+        model,
+        example_input(model, batch=2, seq=6),
+        mesh=fxshard.MeshSpec(mesh_shape),
+        training=True,
+        reuse_layers=False,
+    )
     mesh = rules.rules_mesh(mesh_shape)
     M = len(mesh_shape)
     seen_ops, compared = set(), 0
@@ -35,13 +46,19 @@ def test_expansion_equals_dtensor_on_a_training_graph(monkeypatch, mesh_shape):
             continue
         val = lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), val)
-        tensors = [x for x in fxshard._torch.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        tensors = [
+            x for x in fxshard._torch.tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)
+        ]
         if not tensors or (op, tuple(t.ndim for t in tensors)) in seen_ops:
             continue
         seen_ops.add((op, tuple(t.ndim for t in tensors)))
         first = tensors[0]
-        seeds = [(Replicate(),) * M, (Shard(0),) + (Replicate(),) * (M - 1),
-                 (Replicate(),) * (M - 1) + (Shard(first.ndim - 1),), (Partial(),) + (Shard(0),) * (M - 1)]
+        seeds = [
+            (Replicate(),) * M,
+            (Shard(0),) + (Replicate(),) * (M - 1),
+            (Replicate(),) * (M - 1) + (Shard(first.ndim - 1),),
+            (Partial(),) + (Shard(0),) * (M - 1),
+        ]
         for seed in seeds:
             placements = [seed if t.ndim == first.ndim else (Replicate(),) * M for t in tensors]
             ref, got = _candidates_both_ways(monkeypatch, op, args, kwargs, mesh, placements)
@@ -55,11 +72,15 @@ def test_expansion_keeps_dtensors_filters(monkeypatch):
     DTensor drops them; an in-place op keeps self's placement."""
     mesh = rules.rules_mesh((2, 4))
     a, b = torch.empty(3, 8, device="meta"), torch.empty(8, 5, device="meta")
-    cases = [(torch.ops.aten.mm.default, (a, b), {}),
-             (torch.ops.aten.add.Tensor, (a, torch.empty(3, 8, device="meta")), {}),
-             (torch.ops.aten.mul_.Tensor, (a, torch.empty(3, 8, device="meta")), {})]
+    cases = [
+        (torch.ops.aten.mm.default, (a, b), {}),
+        (torch.ops.aten.add.Tensor, (a, torch.empty(3, 8, device="meta")), {}),
+        (torch.ops.aten.mul_.Tensor, (a, torch.empty(3, 8, device="meta")), {}),
+    ]
     for op, args, kwargs in cases:
-        for plc in itertools.product([Replicate(), Shard(0), Shard(1), Partial(), Partial("max")], repeat=2):
+        for plc in itertools.product(
+            [Replicate(), Shard(0), Shard(1), Partial(), Partial("max")], repeat=2
+        ):
             placements = [plc, (Replicate(), Replicate())]
             ref, got = _candidates_both_ways(monkeypatch, op, args, kwargs, mesh, placements)
             assert got == ref, (op, plc)

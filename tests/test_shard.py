@@ -44,7 +44,9 @@ def check(model, plan, mesh, inputs=None, **kw):
 
 
 def counts(prog, mesh_dims=None):
-    return Counter(c.kind for c in prog.collectives() if mesh_dims is None or c.mesh_dims == mesh_dims)
+    return Counter(
+        c.kind for c in prog.collectives() if mesh_dims is None or c.mesh_dims == mesh_dims
+    )
 
 
 ZOO = [
@@ -76,8 +78,9 @@ def test_llama_megatron(mesh):
 def test_llama_sequence_parallel(mesh):
     prog = check(Llama(), sequence_parallel_plan(), mesh)
     assert not prog.warnings
-    # 2 all-gathers + 2 reduce-scatters per layer, plus the embedding's reduce-scatter (vocab-parallel
-    # lookup handed on sequence-sharded) and the lm_head's all-gather of its sequence-sharded input
+    # 2 all-gathers + 2 reduce-scatters per layer, plus the embedding's reduce-scatter
+    # (vocab-parallel lookup handed on sequence-sharded) and the lm_head's all-gather of its
+    # sequence-sharded input
     assert counts(prog) == Counter({"all_gather": 2 * 2 + 1, "reduce_scatter": 2 * 2 + 1})
 
 
@@ -88,17 +91,27 @@ def test_llama_vocab_and_loss_parallel(mesh):
     # the vocab-parallel embedding adds one all-reduce; the loss-parallel lm_head keeps its output
     # sharded on the vocab dim (no gather)
     assert counts(prog) == Counter({"all_reduce": 4 + 1})
-    out_spec = [n for n in prog.global_graph.graph.nodes if n.op == "output"][0].meta["fxshard"].input_specs[0]
+    out_spec = (
+        [n for n in prog.global_graph.graph.nodes if n.op == "output"][0]
+        .meta["fxshard"]
+        .input_specs[0]
+    )
     assert out_spec.placements[-1] == Shard(2)
 
 
 @pytest.mark.parametrize("mesh", [M1_2, M2_22], ids=str)
 def test_pure_data_parallel(mesh):
     names = mesh.names
-    dp_mesh = fxshard.MeshSpec(mesh.shape, names=tuple("dp" + str(i) for i in range(mesh.ndim)) if names else None)
+    dp_mesh = fxshard.MeshSpec(
+        mesh.shape, names=tuple("dp" + str(i) for i in range(mesh.ndim)) if names else None
+    )
     model = Llama()
-    prog = check(model, None, dp_mesh, input_placements=[tuple(Shard(0) if i == 0 else Replicate()
-                                                                for i in range(mesh.ndim))])
+    prog = check(
+        model,
+        None,
+        dp_mesh,
+        input_placements=[tuple(Shard(0) if i == 0 else Replicate() for i in range(mesh.ndim))],
+    )
     assert counts(prog) == Counter()
 
 
@@ -117,8 +130,13 @@ def test_plain_callable_with_explicit_placements():
         return torch.relu(x @ w).sum(dim=1, keepdim=True) * 2.0
 
     x = torch.randn(8, 16)
-    prog = fxshard.shard(f, M2_22, example_inputs=(x,), input_placements=[(Shard(0), Shard(1))],
-                         output_placements=[(Shard(0), Replicate())])
+    prog = fxshard.shard(
+        f,
+        M2_22,
+        example_inputs=(x,),
+        input_placements=[(Shard(0), Shard(1))],
+        output_placements=[(Shard(0), Replicate())],
+    )
     torch.testing.assert_close(prog.simulate(x), f(x), rtol=1e-5, atol=1e-5)
 
 
@@ -129,7 +147,8 @@ def test_uneven_model_falls_back_with_warnings(caplog):
     assert "fc1.weight" in caplog.text
 
 
-# ---- errors ---------------------------------------------------------------------------------------
+# ---- errors --------------------------------------------------------------------------------------
+
 
 def test_unknown_fqn_lists_closest():
     with pytest.raises(ValueError, match=r"matches no module.*closest existing FQNs: \['fc1'"):
@@ -138,22 +157,36 @@ def test_unknown_fqn_lists_closest():
 
 def test_style_that_cannot_apply():
     with pytest.raises(ValueError, match="ColwiseParallel applies to nn.Linear"):
-        fxshard.shard(Llama(), M1_2, {"norm": ColwiseParallel()}, example_inputs=example_input(Llama()))
+        fxshard.shard(
+            Llama(), M1_2, {"norm": ColwiseParallel()}, example_inputs=example_input(Llama())
+        )
 
 
 def test_shard_dim_out_of_range():
     with pytest.raises(ValueError, match="tensor dim 3, out of range for a 2-D tensor"):
-        fxshard.shard(lambda x: x * 2, M1_2, example_inputs=(torch.randn(4, 4),), input_placements=[(Shard(3),)])
+        fxshard.shard(
+            lambda x: x * 2,
+            M1_2,
+            example_inputs=(torch.randn(4, 4),),
+            input_placements=[(Shard(3),)],
+        )
 
 
 def test_placement_count_mismatch():
     with pytest.raises(ValueError, match="1 placements for a 2-D mesh"):
-        fxshard.shard(lambda x: x * 2, M2_22, example_inputs=(torch.randn(4, 4),), input_placements=[(Shard(0),)])
+        fxshard.shard(
+            lambda x: x * 2,
+            M2_22,
+            example_inputs=(torch.randn(4, 4),),
+            input_placements=[(Shard(0),)],
+        )
 
 
 def test_two_d_mesh_plan_needs_names():
     with pytest.raises(ValueError, match="needs named mesh dims"):
-        fxshard.shard(MLP(), fxshard.MeshSpec((2, 2)), mlp_plan(), example_inputs=example_input(MLP()))
+        fxshard.shard(
+            MLP(), fxshard.MeshSpec((2, 2)), mlp_plan(), example_inputs=example_input(MLP())
+        )
 
 
 def test_llama_sequence_on_two_mesh_dims_fuses():

@@ -1,5 +1,6 @@
 """The package's structure, read from its source: dependencies point one way, private torch APIs
-stay in the two modules made for them.  ``python benchmarks/structure.py`` prints the same picture."""
+stay in the two modules made for them.  ``python benchmarks/structure.py`` prints the same
+picture."""
 
 import os
 import sys
@@ -48,7 +49,9 @@ def test_imports_point_down():
 
 def test_private_torch_apis_only_in_their_modules():
     r = structure.report(ROOT)
-    outside = {p: uses for p, uses in r["private"].items() if not p.startswith(structure.PRIVATE_OK)}
+    outside = {
+        p: uses for p, uses in r["private"].items() if not p.startswith(structure.PRIVATE_OK)
+    }
     assert outside == {}
 
 
@@ -61,7 +64,8 @@ def test_the_checks_catch_what_they_claim(tmp_path):
     (pkg / "api.py").write_text("def f():\n    from .core import spec\n")
     (pkg / "core" / "spec.py").write_text(
         "import torch\nimport torch._dynamo\n\n\ndef g(t, m):\n    from ..api import f\n"
-        "    return t._version, m._parameters, torch.ops.aten._to_copy.default\n")
+        "    return t._version, m._parameters, torch.ops.aten._to_copy.default\n"
+    )
     mods = structure.modules(str(tmp_path))
     assert structure.cycles(mods) == [["fxshard.api", "fxshard.core.spec"]]
     uses = structure.private_uses(mods["fxshard.core.spec"], set())

@@ -64,7 +64,13 @@ CASES = [
     ("llama tp", lambda: init_weights(Llama()), (4,), None, megatron_tp_plan),
     ("llama sp", lambda: init_weights(Llama()), (4,), None, zoo.sequence_parallel_plan),
     ("llama dp x tp", lambda: init_weights(Llama()), (2, 4), ("dp", "tp"), megatron_tp_plan),
-    ("llama sp dp x tp", lambda: init_weights(Llama()), (2, 2), ("dp", "tp"), zoo.sequence_parallel_plan),
+    (
+        "llama sp dp x tp",
+        lambda: init_weights(Llama()),
+        (2, 2),
+        ("dp", "tp"),
+        zoo.sequence_parallel_plan,
+    ),
     ("convnet dp", lambda: init_weights(ConvNet()), (2,), ("dp",), dict),
 ]
 
@@ -90,33 +96,52 @@ def test_megatron_backward_sums_partial_gradients_before_reducing():
     all-reduces on this model (one per q/k/v/w1/w3 input gradient); the q/k/v (and w1/w3) partial
     gradients meet at one value, so fxshard sums them and reduces once: 2 per layer."""
     model = _scalar_loss(init_weights(Llama()))
-    prog = _check(model, fxshard.MeshSpec((4,)), _prefixed(megatron_tp_plan()), example_input(model.model))
+    prog = _check(
+        model, fxshard.MeshSpec((4,)), _prefixed(megatron_tp_plan()), example_input(model.model)
+    )
     assert _phase_counts(prog) == {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}
 
 
 def test_sequence_parallel_needs_no_more_than_dtensor():
     model = _scalar_loss(init_weights(Llama()))
-    prog = _check(model, fxshard.MeshSpec((4,)), _prefixed(zoo.sequence_parallel_plan()),
-                  example_input(model.model))
+    prog = _check(
+        model,
+        fxshard.MeshSpec((4,)),
+        _prefixed(zoo.sequence_parallel_plan()),
+        example_input(model.model),
+    )
     counts = _phase_counts(prog)
     # DTensor: 6 AG + 5 RS forward, 5 AG + 5 RS backward.  fxshard does not gather the vocab-sharded
     # logits: the loss is computed on the shards and only its scalar is all-reduced (loss parallel);
     # the 5 small backward all-reduces are the replicated norm weights' gradients, which DTensor
     # leaves Partial for the optimizer step.
     assert counts["forward"] == {"all_gather": 5, "reduce_scatter": 5, "all_reduce": 1}
-    assert counts["backward"].get("all_gather", 0) <= 5 and counts["backward"].get("reduce_scatter", 0) <= 5
+    assert (
+        counts["backward"].get("all_gather", 0) <= 5
+        and counts["backward"].get("reduce_scatter", 0) <= 5
+    )
     assert set(counts["backward"]) <= {"all_gather", "reduce_scatter", "all_reduce"}
 
 
 def test_data_parallel_gradients_are_reduced_in_the_graph():
     model = _scalar_loss(init_weights(MLP()))
-    prog = _check(model, fxshard.MeshSpec((2, 2), names=("dp", "tp")), _prefixed(mlp_plan()),
-                  example_input(model.model))
-    dp_reductions = [c for c in prog.planned_collectives() if c.phase == "backward" and c.mesh_dims == (0,)]
-    assert {c.kind for c in dp_reductions} == {"all_reduce"} and len(dp_reductions) == 4  # every parameter
+    prog = _check(
+        model,
+        fxshard.MeshSpec((2, 2), names=("dp", "tp")),
+        _prefixed(mlp_plan()),
+        example_input(model.model),
+    )
+    dp_reductions = [
+        c for c in prog.planned_collectives() if c.phase == "backward" and c.mesh_dims == (0,)
+    ]
+    assert {c.kind for c in dp_reductions} == {"all_reduce"} and len(
+        dp_reductions
+    ) == 4  # every parameter
     # the per-rank graph runs them bucketed: one all-reduce carrying all four
     (run,) = [c for c in prog.collectives() if c.phase == "backward" and c.mesh_dims == (0,)]
-    assert run.kind == "all_reduce" and sorted(run.carries, key=str) == sorted(dp_reductions, key=str)
+    assert run.kind == "all_reduce" and sorted(run.carries, key=str) == sorted(
+        dp_reductions, key=str
+    )
 
 
 def test_non_scalar_output_takes_grad_outputs():
@@ -161,7 +186,8 @@ def test_checkpoint_and_no_grad_regions():
     _check(model, fxshard.MeshSpec((2,)), plan, x)
 
 
-# ---- end to end on gloo: optimizers on local shards ------------------------------------------------
+# ---- end to end on gloo: optimizers on local shards ----------------------------------------------
+
 
 @pytest.mark.slow
 def test_local_shard_training_matches_single_device():
@@ -176,7 +202,8 @@ def test_local_shard_training_matches_single_device():
         assert r["rel"] < 1e-5, r
 
 
-# ---- the torch.compile backend under loss.backward() -------------------------------------------------
+# ---- the torch.compile backend under loss.backward() ---------------------------------------------
+
 
 @pytest.mark.parametrize("model_cls", [Llama, zoo.GraphBreakLlama])
 def test_backend_backward_gives_single_device_gradients(model_cls):
@@ -185,8 +212,15 @@ def test_backend_backward_gives_single_device_gradients(model_cls):
     x = example_input(model)
     ref(*x).float().pow(2).mean().backward()
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={
-        "mesh": fxshard.MeshSpec((2, 2), names=("dp", "tp")), "plan": megatron_tp_plan(), "simulate": True})
+    f = torch.compile(
+        model,
+        backend="fxshard",
+        options={
+            "mesh": fxshard.MeshSpec((2, 2), names=("dp", "tp")),
+            "plan": megatron_tp_plan(),
+            "simulate": True,
+        },
+    )
     loss = f(*x).float().pow(2).mean()
     loss.backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -201,7 +235,8 @@ def test_backend_training_on_gloo_matches_single_device():
         assert rel < 1e-5
 
 
-# ---- regressions from review: one rank of a real (gloo) group, eager per-rank graphs ----------------
+# ---- regressions from review: one rank of a real (gloo) group, eager per-rank graphs -------------
+
 
 @pytest.fixture
 def one_rank_mesh():
@@ -234,7 +269,9 @@ def test_gradients_match_outputs_by_index_not_position(one_rank_mesh):
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     ref(x)[1].sum().backward()
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={"mesh": one_rank_mesh, "plan": {}, "inductor": False})
+    f = torch.compile(
+        model, backend="fxshard", options={"mesh": one_rank_mesh, "plan": {}, "inductor": False}
+    )
     mask, y = f(x)
     assert not mask.requires_grad
     y.sum().backward()
@@ -244,7 +281,9 @@ def test_gradients_match_outputs_by_index_not_position(one_rank_mesh):
 def test_double_backward_is_an_error(one_rank_mesh):
     model = init_weights(MLP())
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={"mesh": one_rank_mesh, "plan": {}, "inductor": False})
+    f = torch.compile(
+        model, backend="fxshard", options={"mesh": one_rank_mesh, "plan": {}, "inductor": False}
+    )
     x = example_input(model)[0].requires_grad_()
     with pytest.raises(Exception, match="double backward"):
         torch.autograd.grad(f(x).sum(), x, create_graph=True)
@@ -294,8 +333,12 @@ def test_float_arguments_are_part_of_the_signature():
     x = torch.randn(2, 4)
     for dynamic in (None, True):
         torch._dynamo.reset()
-        f = torch.compile(model, backend="fxshard", dynamic=dynamic,
-                          options={"mesh": fxshard.MeshSpec((2,)), "plan": {}, "simulate": True})
+        f = torch.compile(
+            model,
+            backend="fxshard",
+            dynamic=dynamic,
+            options={"mesh": fxshard.MeshSpec((2,)), "plan": {}, "simulate": True},
+        )
         with torch.no_grad():
             for scale in (2.0, 3.0, 5.0):
                 torch.testing.assert_close(f(x, scale), model(x, scale))
@@ -304,6 +347,10 @@ def test_float_arguments_are_part_of_the_signature():
 def test_batchnorm_running_stats_update_is_an_error():
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
     torch._dynamo.reset()
-    f = torch.compile(model, backend="fxshard", options={"mesh": fxshard.MeshSpec((2,)), "plan": {}, "simulate": True})
+    f = torch.compile(
+        model,
+        backend="fxshard",
+        options={"mesh": fxshard.MeshSpec((2,)), "plan": {}, "simulate": True},
+    )
     with pytest.raises(Exception, match="in-place state updates are not supported"):
         f(torch.randn(8, 4)).sum().backward()

@@ -12,5 +12,14 @@ from .export import capture_forward
 from .joint import capture_joint
 from .layers import alike_layers, layer_groups
 
-__all__ = ["Captured", "capture_forward", "capture_joint", "capture_dynamo_graph", "dynamo_sources", "source_fqn",
-           "decomposition_table", "layer_groups", "alike_layers"]
+__all__ = [
+    "Captured",
+    "capture_forward",
+    "capture_joint",
+    "capture_dynamo_graph",
+    "dynamo_sources",
+    "source_fqn",
+    "decomposition_table",
+    "layer_groups",
+    "alike_layers",
+]

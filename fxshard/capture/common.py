@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,12 +28,18 @@ class Captured:
     stages after it record their results here (``stage``, ``warnings``, ``auto``)."""
 
     gm: fx.GraphModule
-    state: dict[str, torch.Tensor]  # parameters, buffers and constants by FQN (every alias of a tied one)
+    state: dict[
+        str, torch.Tensor
+    ]  # parameters, buffers and constants by FQN (every alias of a tied one)
     num_inputs: int
     model: nn.Module | None
     out_spec: object = None  # pytree spec of the model's outputs (None: a flat tuple or one value)
-    training: bool = False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
-    config: object = None  # ShardConfig: mesh, cost model, collective options (fxshard.capture sets it)
+    training: bool = (
+        False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
+    )
+    config: object = (
+        None  # ShardConfig: mesh, cost model, collective options (fxshard.capture sets it)
+    )
     constraints: object = None  # PlanConstraints of the user's plan (fxshard.capture sets it)
     stage: str = "captured"  # captured -> annotated -> redistributed
     warnings: list[str] = field(default_factory=list)  # annotate's fallbacks
@@ -52,7 +59,7 @@ class Captured:
 class FnModule(nn.Module):
     """A plain callable as a module (what export and AOT trace)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable):
         super().__init__()
         self.fn = fn
         record_frames_of(fn)
@@ -148,7 +155,13 @@ def _clean_fqn(path: str) -> str:
 
 def check_no_input_mutation(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+        if (
+            n.op == "call_function"
+            and n.target is torch.ops.aten.copy_.default
+            and n.args[0].op == "placeholder"
+        ):
             raise NotImplementedError(
-                f"fxshard: the compiled code mutates its input {n.args[0].name} in place; in-place updates of "
-                f"parameters, buffers or inputs inside a sharded graph are not supported yet")
+                f"fxshard: the compiled code mutates its input {n.args[0].name} in place; in-place "
+                "updates of "
+                f"parameters, buffers or inputs inside a sharded graph are not supported yet"
+            )

@@ -26,7 +26,9 @@ from ..ir import BOUNDARY, BUFFER, INPUT, PARAM, info
 from .common import Captured, check_no_input_mutation, decomposition_table, path_fqn, record
 from .joint import capture_joint
 
-_SOURCE_PART = re.compile(r"\.(_modules|_parameters|_buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)")
+_SOURCE_PART = re.compile(
+    r"\.(_modules|_parameters|_buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)"
+)
 
 
 def source_fqn(source_name: str, roots: dict | None = None) -> tuple[str, str | None]:
@@ -37,7 +39,7 @@ def source_fqn(source_name: str, roots: dict | None = None) -> tuple[str, str | 
     if m is None:
         return INPUT, None
     parts, kind = [], INPUT
-    for a, b, attr in _SOURCE_PART.findall(source_name[m.end():]):
+    for a, b, attr in _SOURCE_PART.findall(source_name[m.end() :]):
         if attr:
             parts.append(attr)
         else:
@@ -52,10 +54,14 @@ def source_fqn(source_name: str, roots: dict | None = None) -> tuple[str, str | 
 
 
 def _module_path(node: fx.Node, roots: dict | None = None) -> list[str]:
-    return [path_fqn(path, roots) for path, _cls in (node.meta.get("nn_module_stack") or {}).values()]
+    return [
+        path_fqn(path, roots) for path, _cls in (node.meta.get("nn_module_stack") or {}).values()
+    ]
 
 
-def _insert_dynamo_boundaries(gm: fx.GraphModule, boundaries: dict[str, tuple[int, int]], own, roots=None) -> None:
+def _insert_dynamo_boundaries(
+    gm: fx.GraphModule, boundaries: dict[str, tuple[int, int]], own, roots=None
+) -> None:
     """Mark planned module boundaries in a dynamo graph from its ``nn_module_stack`` metadata.
 
     A module's inputs are the tensors its nodes consume that are made outside it (not its own
@@ -64,12 +70,18 @@ def _insert_dynamo_boundaries(gm: fx.GraphModule, boundaries: dict[str, tuple[in
     graph = gm.graph
 
     def members_of(fqn):
-        return [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")
-                and fqn in _module_path(n, roots)]
+        return [
+            n
+            for n in graph.nodes
+            if n.op in ("call_function", "call_method", "call_module")
+            and fqn in _module_path(n, roots)
+        ]
 
     def mark(value, fqn, tag, like):
         b = graph.call_function(BOUNDARY, (value, tag))
-        b.meta.update({k: v for k, v in like.meta.items() if k not in ("example_value", "nn_module_stack")})
+        b.meta.update(
+            {k: v for k, v in like.meta.items() if k not in ("example_value", "nn_module_stack")}
+        )
         b.meta["example_value"] = value.meta.get("example_value")
         stack = {}
         for key, (path, cls) in (like.meta.get("nn_module_stack") or {}).items():
@@ -80,7 +92,8 @@ def _insert_dynamo_boundaries(gm: fx.GraphModule, boundaries: dict[str, tuple[in
         return b
 
     depth = lambda fqn: fqn.count(".")
-    # inputs outermost first (an inner module's input is then the outer boundary), outputs innermost first
+    # inputs outermost first (an inner module's input is then the outer boundary), outputs innermost
+    # first
     for fqn in sorted(boundaries, key=depth):
         n_in = boundaries[fqn][0]
         inside = members_of(fqn)
@@ -125,19 +138,26 @@ def _is_tensor(n: fx.Node) -> bool:
 
 
 def dynamo_sources(gm: fx.GraphModule) -> list[str | None]:
-    """Every placeholder's dynamo source name; read them in the backend call (dynamo drops them after)."""
+    """Every placeholder's dynamo source name; read them in the backend call (dynamo drops them
+    after)."""
     return [placeholder_source(p) for p in gm.graph.nodes if p.op == "placeholder"]
 
 
-def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[str, tuple[int, int]] | None = None,
-                         roots: dict[str, str] | None = None, sources: Sequence[str | None] | None = None,
-                         training: bool = False) -> Captured:
+def capture_dynamo_graph(
+    gm: fx.GraphModule,
+    args: Sequence,
+    boundaries: dict[str, tuple[int, int]] | None = None,
+    roots: dict[str, str] | None = None,
+    sources: Sequence[str | None] | None = None,
+    training: bool = False,
+) -> Captured:
     """A dynamo graph + this call's concrete arguments -> a Captured ATen graph (``training``: the
     joint forward+backward graph, parameters' gradients as gradients of those inputs).
 
-    Shapes are specialised to ``args`` (the backend captures once per input signature).  Placeholders
-    become parameters / buffers (by their dynamo source, e.g. ``L['self']._modules['fc1']._parameters
-    ['weight']`` -> ``fc1.weight``) or user inputs; SymInt arguments are baked in as their values."""
+    Shapes are specialised to ``args`` (the backend captures once per input signature).
+    Placeholders become parameters / buffers (by their dynamo source, e.g.
+    ``L['self']._modules['fc1']._parameters ['weight']`` -> ``fc1.weight``) or user inputs; SymInt
+    arguments are baked in as their values."""
     sources = list(sources) if sources is not None else dynamo_sources(gm)
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -154,8 +174,11 @@ def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[st
         _insert_dynamo_boundaries(gm, boundaries, own, roots)
     _bake_python_scalars(gm, placeholders, args)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    fixed = {i: (int(a) if isinstance(a, (int, torch.SymInt)) else a) for i, a in enumerate(args)
-             if not isinstance(a, torch.Tensor)}
+    fixed = {
+        i: (int(a) if isinstance(a, (int, torch.SymInt)) else a)
+        for i, a in enumerate(args)
+        if not isinstance(a, torch.Tensor)
+    }
 
     def run(*tensors):
         full = dict(fixed)
@@ -168,8 +191,11 @@ def capture_dynamo_graph(gm: fx.GraphModule, args: Sequence, boundaries: dict[st
     fakes = [mode.from_tensor(args[i].detach()) for i in tensor_pos]
     with warnings.catch_warnings(), preserve_node_meta():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        traced = make_fx(torch.func.functionalize(run, remove="mutations"),
-                         decomposition_table=decomposition_table(), tracing_mode="fake")(*fakes)
+        traced = make_fx(
+            torch.func.functionalize(run, remove="mutations"),
+            decomposition_table=decomposition_table(),
+            tracing_mode="fake",
+        )(*fakes)
     check_no_input_mutation(traced)
     state: dict[str, torch.Tensor] = {}
     kept = []
@@ -201,14 +227,20 @@ class _Run(nn.Module):
 
 
 def _capture_dynamo_joint(run, args, tensor_pos, kinds) -> Captured:
-    input_kinds = [kinds[i] if kinds[i][0] in (PARAM, BUFFER) else (INPUT, None) for i in tensor_pos]
+    input_kinds = [
+        kinds[i] if kinds[i][0] in (PARAM, BUFFER) else (INPUT, None) for i in tensor_pos
+    ]
     c = capture_joint(_Run(run), [args[i] for i in tensor_pos], input_kinds=input_kinds)
     for n in c.gm.graph.nodes:
         if n.op == "placeholder":
             kind, what = describe(n.meta.get("desc"))
             if kind == INPUT:
                 info(n).arg_index = tensor_pos[what]
-    state = {fqn: args[i].detach() for i, (kind, fqn) in zip(tensor_pos, input_kinds) if kind in (PARAM, BUFFER)}
+    state = {
+        fqn: args[i].detach()
+        for i, (kind, fqn) in zip(tensor_pos, input_kinds)
+        if kind in (PARAM, BUFFER)
+    }
     return dataclasses.replace(c, state=state)
 
 
@@ -223,8 +255,12 @@ def _bake_python_scalars(gm: fx.GraphModule, placeholders, args) -> None:
             if u.op == "call_method" and u.target == "item":
                 value = a.item()
                 for user in list(u.users):
-                    user.args = fx.node.map_arg(user.args, lambda n, u=u, v=value: v if n is u else n)
-                    user.kwargs = fx.node.map_arg(user.kwargs, lambda n, u=u, v=value: v if n is u else n)
+                    user.args = fx.node.map_arg(
+                        user.args, lambda n, u=u, v=value: v if n is u else n
+                    )
+                    user.kwargs = fx.node.map_arg(
+                        user.kwargs, lambda n, u=u, v=value: v if n is u else n
+                    )
                 gm.graph.erase_node(u)
                 changed = True
     if changed:

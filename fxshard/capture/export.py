@@ -13,8 +13,11 @@ from .common import Captured, FnModule, decomposition_table, record
 from .markers import Markers
 
 
-def capture_forward(model: nn.Module | Callable, example_inputs: Sequence,
-                    boundaries: dict[str, tuple[int, int]] | None = None) -> Captured:
+def capture_forward(
+    model: nn.Module | Callable,
+    example_inputs: Sequence,
+    boundaries: dict[str, tuple[int, int]] | None = None,
+) -> Captured:
     """Trace ``model`` on ``example_inputs``.  ``boundaries`` names modules whose first inputs /
     outputs get ``fxshard::boundary`` marker nodes (the plan constrains placements there)."""
     module = model if isinstance(model, nn.Module) else FnModule(model)
@@ -24,15 +27,19 @@ def capture_forward(model: nn.Module | Callable, example_inputs: Sequence,
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = torch.export.export(module, tuple(example_inputs), strict=False)
     except Exception as e:  # surface which model failed, keep torch's reason
-        raise RuntimeError(f"fxshard.capture: torch.export could not trace {type(module).__name__}: {e}") from e
+        raise RuntimeError(
+            f"fxshard.capture: torch.export could not trace {type(module).__name__}: {e}"
+        ) from e
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = ep.run_decompositions(decomposition_table())
     sig = ep.graph_signature
     if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
         raise NotImplementedError(
-            f"fxshard.capture: the model mutates buffers/inputs in forward ({dict(sig.buffers_to_mutate)}); "
-            f"in-place state updates are not supported by the sharding pass yet")
+            "fxshard.capture: the model mutates buffers/inputs in forward "
+            f"({dict(sig.buffers_to_mutate)}); "
+            f"in-place state updates are not supported by the sharding pass yet"
+        )
     gm = ep.graph_module
     state: dict[str, torch.Tensor] = {}
     state.update(ep.state_dict)
@@ -50,10 +57,17 @@ def capture_forward(model: nn.Module | Callable, example_inputs: Sequence,
         elif k == "USER_INPUT":
             kinds[name] = (INPUT, None)
         else:  # pragma: no cover
-            raise NotImplementedError(f"fxshard.capture: unsupported graph input kind {k} for {name}")
+            raise NotImplementedError(
+                f"fxshard.capture: unsupported graph input kind {k} for {name}"
+            )
     n_inputs = record(gm, [kinds[p.name] for p in gm.graph.nodes if p.op == "placeholder"])
     for name, t in list(state.items()):
         if isinstance(t, nn.Parameter):
             state[name] = t.detach()
-    return Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None,
-                    out_spec=ep.call_spec.out_spec)
+    return Captured(
+        gm,
+        state,
+        n_inputs,
+        model if isinstance(model, nn.Module) else None,
+        out_spec=ep.call_spec.out_spec,
+    )

@@ -36,10 +36,13 @@ from .markers import Markers
 log = logging.getLogger("fxshard.stitch")
 
 
-def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
-                  boundaries: dict[str, tuple[int, int]] | None = None,
-                  input_kinds: Sequence[tuple[str, str | None]] | None = None,
-                  reuse_layers: bool = False) -> Captured:
+def capture_joint(
+    model: nn.Module | Callable,
+    example_inputs: Sequence,
+    boundaries: dict[str, tuple[int, int]] | None = None,
+    input_kinds: Sequence[tuple[str, str | None]] | None = None,
+    reuse_layers: bool = False,
+) -> Captured:
     """The joint forward+backward ATen graph of ``model`` on ``example_inputs``.
 
     ``input_kinds``: (kind, FQN) per tensor input, when some inputs are really parameters or buffers
@@ -61,18 +64,30 @@ def capture_joint(model: nn.Module | Callable, example_inputs: Sequence,
     # every name a shared tensor goes by (AOT may name its placeholder by any of them)
     state = {f: t.detach() for f, t in module.named_parameters(remove_duplicate=False)}
     state.update({f: t.detach() for f, t in module.named_buffers(remove_duplicate=False)})
-    return Captured(gm, state, n_inputs, model if isinstance(model, nn.Module) else None, out_spec=out_spec,
-                    training=True)
+    return Captured(
+        gm,
+        state,
+        n_inputs,
+        model if isinstance(model, nn.Module) else None,
+        out_spec=out_spec,
+        training=True,
+    )
 
 
 def _export(module: nn.Module, example_inputs: Sequence, boundaries, reuse_layers: bool):
     """(joint GraphModule, pytree spec of the forward outputs) on fake copies of the inputs."""
     fm = fake_mode_of(example_inputs) or fake_mode(allow_non_fake_inputs=True)
-    fakes = [fm.from_tensor(x) if isinstance(x, torch.Tensor) and not is_fake_of(fm, x) else x
-             for x in example_inputs]
+    fakes = [
+        fm.from_tensor(x) if isinstance(x, torch.Tensor) and not is_fake_of(fm, x) else x
+        for x in example_inputs
+    ]
     try:
-        with _restored_state(module), Markers(module, boundaries) as markers, warnings.catch_warnings(), \
-                lazy_graph_modules():
+        with (
+            _restored_state(module),
+            Markers(module, boundaries) as markers,
+            warnings.catch_warnings(),
+            lazy_graph_modules(),
+        ):
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             # reuse_layers stops a trace from inside a layer's backward (a fallback): not an error
             warnings.filterwarnings("ignore", message="Error detected in .*fxshard_layer_fwd")
@@ -83,15 +98,21 @@ def _export(module: nn.Module, example_inputs: Sequence, boundaries, reuse_layer
             with fm:
                 return export_joint(module, fakes, decomposition_table())
     except Exception as e:
-        raise RuntimeError(f"fxshard.capture: could not trace the forward+backward of {type(module).__name__}: "
-                           f"{e}") from e
+        raise RuntimeError(
+            f"fxshard.capture: could not trace the forward+backward of {type(module).__name__}: {e}"
+        ) from e
 
 
 @contextlib.contextmanager
 def _restored_state(module: nn.Module):
     """AOT swaps parameters for traced ones and back; a module reachable by two paths (a ModuleList
     slice kept as an attribute) comes back holding the traced ones: put the originals back after."""
-    slots = [(table, n, t) for m in module.modules() for table in module_tensor_slots(m) for n, t in table.items()]
+    slots = [
+        (table, n, t)
+        for m in module.modules()
+        for table in module_tensor_slots(m)
+        for n, t in table.items()
+    ]
     try:
         yield
     finally:
@@ -113,10 +134,14 @@ def _placeholder_kinds(gm: fx.GraphModule, input_kinds) -> list[tuple[str, objec
             kinds.append(tuple(input_kinds[what]) if input_kinds is not None else (INPUT, None))
         elif kind == TANGENT:
             if what is None:
-                raise NotImplementedError(f"fxshard.capture: unsupported tangent {p.meta.get('desc')}")
+                raise NotImplementedError(
+                    f"fxshard.capture: unsupported tangent {p.meta.get('desc')}"
+                )
             kinds.append((TANGENT, what))
         else:
-            raise NotImplementedError(f"fxshard.capture: unsupported joint-graph input {p.meta.get('desc')}")
+            raise NotImplementedError(
+                f"fxshard.capture: unsupported joint-graph input {p.meta.get('desc')}"
+            )
     return kinds
 
 
@@ -127,17 +152,29 @@ def _output_roles(out: fx.Node, input_kinds) -> list[Role]:
     other = [r[0] for r in roles if r[0] not in ("output", "grad_param", "grad_input", "NoneType")]
     if other:  # e.g. InputMutationAOTOutput: BatchNorm updating running stats in training mode
         raise NotImplementedError(
-            f"fxshard.capture: the model's forward+backward has outputs of kind {sorted(set(other))} (an in-place "
-            f"update of a buffer or input, e.g. BatchNorm running statistics in train mode); in-place state "
-            f"updates are not supported by the sharding pass yet (use eval() for such modules, or remove the "
-            f"update)")
+            "fxshard.capture: the model's forward+backward has outputs of kind "
+            f"{sorted(set(other))} (an in-place "
+            "update of a buffer or input, e.g. BatchNorm running statistics in train mode); "
+            "in-place state "
+            "updates are not supported by the sharding pass yet (use eval() for such modules, or "
+            "remove the "
+            f"update)"
+        )
     if input_kinds is not None:
         user_index = {}
         for i, (kind, _) in enumerate(input_kinds):
             if kind == INPUT:
                 user_index[i] = len(user_index)
-        roles = [(("grad_param", input_kinds[r[1]][1]) if input_kinds[r[1]][0] == PARAM else
-                  ("grad_input", user_index.get(r[1]))) if r[0] == "grad_input" else r for r in roles]
+        roles = [
+            (
+                ("grad_param", input_kinds[r[1]][1])
+                if input_kinds[r[1]][0] == PARAM
+                else ("grad_input", user_index.get(r[1]))
+            )
+            if r[0] == "grad_input"
+            else r
+            for r in roles
+        ]
     return [Role(*r) for r in roles]
 
 
@@ -155,8 +192,9 @@ def _export_stitched(module: nn.Module, fm, fakes, markers: Markers):
             cause = cause.__cause__ or cause.__context__
         why = cause if cause is not None else f"{type(e).__name__}: {e}"
         quiet = str(why).startswith("no repeated layers")  # nothing to reuse: not worth a line
-        (log.debug if quiet else log.info)("fxshard.capture: tracing every layer (reuse_layers does not apply: %s)",
-                                           why)
+        (log.debug if quiet else log.info)(
+            "fxshard.capture: tracing every layer (reuse_layers does not apply: %s)", why
+        )
         return None, None
 
 
@@ -181,27 +219,55 @@ def mark_gradients(gm: fx.GraphModule) -> None:
 
     aten = torch.ops.aten
     # the gradient of a view flows on to the viewed value's gradient: only "real" values are marked
-    views = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-             aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-             aten.alias.default, aten.expand.default, aten.slice.Tensor, aten.select.int}
+    views = {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.t.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.alias.default,
+        aten.expand.default,
+        aten.slice.Tensor,
+        aten.select.int,
+    }
 
     for b in list(gm.graph.nodes):
-        if b.op != "call_function" or b.meta.get("partitioner_tag") != "is_backward" or not _is_tensor(b):
+        if (
+            b.op != "call_function"
+            or b.meta.get("partitioner_tag") != "is_backward"
+            or not _is_tensor(b)
+        ):
             continue
         groups = {}
         for u in b.users:
-            if u.op == "call_function" and u.meta.get("seq_nr") != b.meta.get("seq_nr") and not is_accumulation(u):
+            if (
+                u.op == "call_function"
+                and u.meta.get("seq_nr") != b.meta.get("seq_nr")
+                and not is_accumulation(u)
+            ):
                 groups.setdefault(u.meta.get("seq_nr"), []).append(u)
         for seq, users in groups.items():
             shape = tuple(b.meta["val"].shape)
-            match = [f for f in forward.get(seq, ()) if _is_tensor(f) and tuple(f.meta["val"].shape) == shape
-                     and f.target not in views]
+            match = [
+                f
+                for f in forward.get(seq, ())
+                if _is_tensor(f) and tuple(f.meta["val"].shape) == shape and f.target not in views
+            ]
             if not match:
                 continue
             with gm.graph.inserting_after(b):
                 m = gm.graph.call_function(BOUNDARY, (b, f"{GRAD_TAG}{match[-1].name}"))
-            m.meta.update({k: v for k, v in b.meta.items() if k in ("val", "seq_nr", "partitioner_tag",
-                                                                       "nn_module_stack", "stack_trace")})
+            m.meta.update(
+                {
+                    k: v
+                    for k, v in b.meta.items()
+                    if k in ("val", "seq_nr", "partitioner_tag", "nn_module_stack", "stack_trace")
+                }
+            )
             for u in users:
                 u.replace_input_with(b, m)
     gm.graph.lint()

@@ -14,11 +14,27 @@ import torch.nn as nn
 
 from .._torch import module_tensor_slots
 
-_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks", "_is_full_backward_hook"}
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+_SKIP_ATTRS = {
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "training",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+    "_is_full_backward_hook",
+}
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def _value_key(v):
@@ -48,13 +64,29 @@ def state_signature(layer: nn.Module):
             if k in _SKIP_ATTRS:
                 continue
             if k in _HOOKS:
-                if name and v:  # fxshard's boundary markers by what they mark (their tags are rewritten)
-                    attrs.append((k, tuple(getattr(h, "fxshard_boundary", None) or id(h) for h in v.values())))
+                if (
+                    name and v
+                ):  # fxshard's boundary markers by what they mark (their tags are rewritten)
+                    attrs.append(
+                        (
+                            k,
+                            tuple(
+                                getattr(h, "fxshard_boundary", None) or id(h) for h in v.values()
+                            ),
+                        )
+                    )
                 continue
             attrs.append((k, _value_key(v)))
-        parts.append((name, type(m), m.training, tuple(sorted(attrs, key=lambda a: a[0])),
-                      tuple((n, tensor_key(p)) for n, p in params.items()),
-                      tuple((n, tensor_key(b)) for n, b in buffers.items())))
+        parts.append(
+            (
+                name,
+                type(m),
+                m.training,
+                tuple(sorted(attrs, key=lambda a: a[0])),
+                tuple((n, tensor_key(p)) for n, p in params.items()),
+                tuple((n, tensor_key(b)) for n, b in buffers.items()),
+            )
+        )
     return tuple(parts)
 
 
@@ -63,14 +95,18 @@ def _candidates(model: nn.Module):
     ModuleList, Sequential or ModuleDict, or any module's digit-named children."""
     for fqn, mod in model.named_modules():
         container = isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict))
-        kids = [(f"{fqn}.{name}" if fqn else name, child) for name, child in mod.named_children()
-                if container or name.isdigit()]
+        kids = [
+            (f"{fqn}.{name}" if fqn else name, child)
+            for name, child in mod.named_children()
+            if container or name.isdigit()
+        ]
         if len(kids) > 1:
             yield fqn, kids
 
 
 def _outermost(groups: list[list[tuple[str, nn.Module]]]) -> list[list[tuple[str, nn.Module]]]:
-    """Groups not inside a member of another group; a module held by two containers (a slice) once."""
+    """Groups not inside a member of another group; a module held by two containers (a slice)
+    once."""
     inner = {f for g in groups for f, _ in g}
     out, seen = [], set()
     for g in groups:
@@ -92,7 +128,10 @@ def layer_groups(model: nn.Module | None) -> list[list[tuple[str, nn.Module]]]:
     for _fqn, kids in _candidates(model):
         by_key: dict = {}
         for f, child in kids:
-            key = (type(child), tuple((n, tuple(p.shape), p.dtype) for n, p in child.named_parameters()))
+            key = (
+                type(child),
+                tuple((n, tuple(p.shape), p.dtype) for n, p in child.named_parameters()),
+            )
             by_key.setdefault(key, []).append((f, child))
         groups += [g for g in by_key.values() if len(g) > 1]
     return _outermost(groups)

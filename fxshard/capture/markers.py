@@ -52,8 +52,10 @@ class Markers:
         def pre(_m, args):
             if not self.on:
                 return None
-            return tuple(boundary(a, f"{fqn}:in:{i}") if i < n_in and isinstance(a, torch.Tensor) else a
-                         for i, a in enumerate(args))
+            return tuple(
+                boundary(a, f"{fqn}:in:{i}") if i < n_in and isinstance(a, torch.Tensor) else a
+                for i, a in enumerate(args)
+            )
 
         pre.fxshard_boundary = ("in", n_in)  # what the hook marks, for reuse_layers' "alike" test
         return pre
@@ -65,8 +67,12 @@ class Markers:
             if isinstance(out, torch.Tensor):
                 return boundary(out, f"{fqn}:out:0")
             if isinstance(out, tuple):
-                return tuple(boundary(o, f"{fqn}:out:{i}") if i < n_out and isinstance(o, torch.Tensor) else o
-                             for i, o in enumerate(out))
+                return tuple(
+                    boundary(o, f"{fqn}:out:{i}")
+                    if i < n_out and isinstance(o, torch.Tensor)
+                    else o
+                    for i, o in enumerate(out)
+                )
             return out
 
         post.fxshard_boundary = ("out", n_out)

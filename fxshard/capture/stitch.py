@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,24 +61,34 @@ class _LayerTrace:
     consts: dict | None = None  # get_attr target -> tensor constant of the layer's graph
 
 
-# ---- the opaque ops --------------------------------------------------------------------------------
+# ---- the opaque ops ------------------------------------------------------------------------------
+
 
 @torch.library.custom_op("fxshard::layer_fwd", mutates_args=())
-def layer_fwd(key: str, state: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    raise RuntimeError("fxshard::layer_fwd exists only while fxshard traces a model (capture reuse_layers=True)")
+def layer_fwd(
+    key: str, state: list[torch.Tensor], inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    raise RuntimeError(
+        "fxshard::layer_fwd exists only while fxshard traces a model (capture reuse_layers=True)"
+    )
 
 
 @layer_fwd.register_fake
 def _layer_fwd_fake(key, state, inputs):
     lt = _LAYERS[key.partition("@")[0]]
-    return [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-            for shape, stride, dtype, device in lt.out_meta]
+    return [
+        torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        for shape, stride, dtype, device in lt.out_meta
+    ]
 
 
 @torch.library.custom_op("fxshard::layer_bwd", mutates_args=())
-def layer_bwd(key: str, state: list[torch.Tensor], inputs: list[torch.Tensor],
-              grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    raise RuntimeError("fxshard::layer_bwd exists only while fxshard traces a model (capture reuse_layers=True)")
+def layer_bwd(
+    key: str, state: list[torch.Tensor], inputs: list[torch.Tensor], grads: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    raise RuntimeError(
+        "fxshard::layer_bwd exists only while fxshard traces a model (capture reuse_layers=True)"
+    )
 
 
 @layer_bwd.register_fake
@@ -91,19 +102,23 @@ def _setup(ctx, inputs, output):
     ctx.key, ctx.n_state = key, len(state)
     ctx.save_for_backward(*state, *ins)
     lt = _LAYERS[key.partition("@")[0]]
-    ctx.mark_non_differentiable(*[o for o, d in zip(output, lt.diff) if not d])  # as in the layer itself
+    ctx.mark_non_differentiable(
+        *[o for o, d in zip(output, lt.diff) if not d]
+    )  # as in the layer itself
     ctx.set_materialize_grads(False)  # an output nobody differentiates arrives as None (see below)
 
 
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
-    state, ins = list(saved[:ctx.n_state]), list(saved[ctx.n_state:])
+    state, ins = list(saved[: ctx.n_state]), list(saved[ctx.n_state :])
     lt = _LAYERS[ctx.key.partition("@")[0]]
     grads = [g for g, d in zip(grads, lt.diff) if d]
     if any(g is None for g in grads):
         # The layer's joint graph differentiates every output; fed zeros it would compute (and
         # could turn NaN) a backward the plain trace never has.
-        raise Unsupported("a layer output that carries gradients is not differentiated by the model")
+        raise Unsupported(
+            "a layer output that carries gradients is not differentiated by the model"
+        )
     out = layer_bwd(ctx.key, state, ins, grads)
     g_state: list = [None] * len(state)
     g_in: list = [None] * len(ins)
@@ -117,7 +132,8 @@ LAYER_FWD = torch.ops.fxshard.layer_fwd.default
 LAYER_BWD = torch.ops.fxshard.layer_bwd.default
 
 
-# ---- capture ---------------------------------------------------------------------------------------
+# ---- capture -------------------------------------------------------------------------------------
+
 
 class _Alone(nn.Module):
     """One layer traced on its own: its class's forward (its own hooks are the model's business)."""
@@ -142,7 +158,9 @@ def _state(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, markers: Markers):
+def opaque_layers(
+    model: nn.Module, fake_mode: object, fakes: Sequence, decompositions: dict, markers: Markers
+):
     """Inside: ``model``'s repeated layers are opaque ops.  A first pass runs the model on the fake
     inputs to find every layer call signature and trace each once (outside any other trace); the
     context then yields a function that inlines the layers into a graph traced inside it."""
@@ -175,11 +193,15 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, markers: M
             lt = traces.get(sig)
             if lt is None:
                 with markers.marking(True):  # markers inside the layer belong in its graph
-                    lt = traces[sig] = _trace_layer(f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode,
-                                                    decompositions)
-            outs = [torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(d)
-                    for (s, st, dt, dev), d in zip(lt.out_meta, lt.diff)]
+                    lt = traces[sig] = _trace_layer(
+                        f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode, decompositions
+                    )
+            outs = [
+                torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(d)
+                for (s, st, dt, dev), d in zip(lt.out_meta, lt.diff)
+            ]
             return outs[0] if lt.single else tuple(outs)
+
         return probe
 
     def make_call(gi, fqn, layer):
@@ -187,9 +209,14 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, markers: M
             sig = signature(gi, fqn, args, kwargs)
             lt = traces.get(sig)
             if lt is None:
-                raise Unsupported(f"{fqn} is called with inputs the probing pass did not see ({sig[1]})")
-            out = layer_fwd(f"{lt.key}@{fqn}", _state(layer)[1], list(args))  # which layer: for its markers
+                raise Unsupported(
+                    f"{fqn} is called with inputs the probing pass did not see ({sig[1]})"
+                )
+            out = layer_fwd(
+                f"{lt.key}@{fqn}", _state(layer)[1], list(args)
+            )  # which layer: for its markers
             return out[0] if lt.single else tuple(out)
+
         return call
 
     try:
@@ -214,15 +241,22 @@ def opaque_layers(model: nn.Module, fake_mode, fakes, decompositions, markers: M
 
 
 def _trace_layer(key, fqn, layer, args, fake_mode, decompositions) -> _LayerTrace:
-    fakes = [(a.detach() if is_fake_of(fake_mode, a) else fake_mode.from_tensor(a.detach()))
-             .requires_grad_(a.requires_grad) for a in args]
+    fakes = [
+        (
+            a.detach() if is_fake_of(fake_mode, a) else fake_mode.from_tensor(a.detach())
+        ).requires_grad_(a.requires_grad)
+        for a in args
+    ]
     with fake_mode:  # which outputs autograd tracks, and that they are a flat tuple of tensors
         real = type(layer).forward(layer, *fakes)
         leaves, spec = tree_flatten(real)
         gm, out_spec = export_joint(_Alone(layer), fakes, decompositions)
-    if not (spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))) or \
-            not all(isinstance(x, torch.Tensor) for x in leaves):
-        raise Unsupported(f"{fqn} returns {spec}: only a tensor or a flat tuple of tensors is stitched")
+    if not (
+        spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))
+    ) or not all(isinstance(x, torch.Tensor) for x in leaves):
+        raise Unsupported(
+            f"{fqn} returns {spec}: only a tensor or a flat tuple of tensors is stitched"
+        )
     diff = tuple(bool(x.requires_grad) for x in leaves)
     names, _ = _state(layer)
     index = {n: i for i, n in enumerate(names)}
@@ -235,8 +269,8 @@ def _trace_layer(key, fqn, layer, args, fake_mode, decompositions) -> _LayerTrac
             outs.append((tuple(v.shape), tuple(v.stride()), v.dtype, v.device))
         elif val is None:
             continue  # no gradient (an unused parameter, an input that needs none)
-        elif kind == "grad_param" and what[len("inner."):] in index:
-            grad_of.append(("state", index[what[len("inner."):]]))
+        elif kind == "grad_param" and what[len("inner.") :] in index:
+            grad_of.append(("state", index[what[len("inner.") :]]))
         elif kind == "grad_input":
             grad_of.append(("input", what))
         else:
@@ -248,8 +282,10 @@ def _trace_layer(key, fqn, layer, args, fake_mode, decompositions) -> _LayerTrac
         kind, what = describe(p.meta.get("desc"))
         if kind not in ("param", "buffer", "input", "tangent"):
             raise Unsupported(f"{fqn}: its joint graph has an input {p.meta.get('desc')}")
-        if kind in ("param", "buffer") and what[len("inner."):] not in index:
-            raise Unsupported(f"{fqn}: parameter {what} is not among the layer's own (tied weights?)")
+        if kind in ("param", "buffer") and what[len("inner.") :] not in index:
+            raise Unsupported(
+                f"{fqn}: parameter {what} is not among the layer's own (tied weights?)"
+            )
         if kind == "tangent":
             tangents.add(what)
     if len(outs) != len(diff):
@@ -278,14 +314,22 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
     seq = max((n.meta.get("seq_nr", -1) for n in graph.nodes), default=-1) + 1
     # AOT tags a gradient accumulation with the sequence number of the last forward op (the
     # engine's last): in a plain trace that is the model's, so copies' accumulations get it too
-    last = max((n.meta["seq_nr"] for n in graph.nodes
-                if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta), default=-1)
+    last = max(
+        (
+            n.meta["seq_nr"]
+            for n in graph.nodes
+            if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta
+        ),
+        default=-1,
+    )
     fwd = [n for n in graph.nodes if n.op == "call_function" and n.target is LAYER_FWD]
     bwd_of = {}
     for n in graph.nodes:
         if n.op == "call_function" and n.target is LAYER_BWD:
             bwd_of[(n.args[0], tuple(n.args[1]), tuple(n.args[2]))] = n
-    pairs = [(f, bwd_of.pop((f.args[0], tuple(f.args[1]), tuple(f.args[2])), None)) for f in fwd]  # before edits
+    pairs = [
+        (f, bwd_of.pop((f.args[0], tuple(f.args[1]), tuple(f.args[2])), None)) for f in fwd
+    ]  # before edits
     renamed: dict[str, dict[str, str]] = {}  # a layer graph's constants, under fresh names in gm
     for lt in traces.values():
         renamed[lt.key] = {}
@@ -297,14 +341,24 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
         key, _, own = f.args[0].partition("@")
         seq = _inline(graph, traces[key], f, b, seq, last, renamed[key], own)
     if bwd_of:
-        raise Unsupported(f"layer backward calls without their forward: {[n.name for n in bwd_of.values()]}")
+        raise Unsupported(
+            f"layer backward calls without their forward: {[n.name for n in bwd_of.values()]}"
+        )
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq: int, last: int,
-            consts: dict[str, str], own: str) -> int:
+def _inline(
+    graph: fx.Graph,
+    lt: _LayerTrace,
+    f: fx.Node,
+    b: fx.Node | None,
+    seq: int,
+    last: int,
+    consts: dict[str, str],
+    own: str,
+) -> int:
     """Copy ``lt.joint`` into ``graph``: forward nodes before ``f``, backward nodes before ``b``;
     the copy's ``seq_nr`` (which ties a backward op to its forward op) start at ``seq``, its
     gradient accumulations take ``last`` (as in a trace of the whole model)."""
@@ -320,23 +374,33 @@ def _inline(graph: fx.Graph, lt: _LayerTrace, f: fx.Node, b: fx.Node | None, seq
             continue
         kind, what = describe(p.meta.get("desc"))
         if kind in ("param", "buffer"):
-            env[p] = state[lt.state_names.index(what[len("inner."):])]
+            env[p] = state[lt.state_names.index(what[len("inner.") :])]
         elif kind == "input":
             env[p] = inputs[what]
         elif kind == "tangent":
             if b is None:
-                raise Unsupported(f"{fqn}: a layer output needs a gradient but no backward call was traced")
+                raise Unsupported(
+                    f"{fqn}: a layer output needs a gradient but no backward call was traced"
+                )
             env[p] = grads[what]
             backward.add(p)
     base = seq
     top = seq
-    own_last = max((n.meta["seq_nr"] for n in joint.graph.nodes
-                    if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta), default=None)
+    own_last = max(
+        (
+            n.meta["seq_nr"]
+            for n in joint.graph.nodes
+            if n.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in n.meta
+        ),
+        default=None,
+    )
     parts: tuple[list, list] = ([], [])
     for n in joint.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        in_bwd = n.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in n.all_input_nodes)
+        in_bwd = n.meta.get("partitioner_tag") == "is_backward" or any(
+            a in backward for a in n.all_input_nodes
+        )
         if in_bwd:
             backward.add(n)
             if b is None:
@@ -372,14 +436,23 @@ def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts, tag
         for n in nodes:
             c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)
             if c.op == "get_attr":
-                c.target = consts[n.target]  # the layer graph's constant, not a model one of that name
+                c.target = consts[
+                    n.target
+                ]  # the layer graph's constant, not a model one of that name
             elif c.target is boundary and c.args[1].startswith(tags[0]):
-                c.args = (c.args[0], tags[1] + c.args[1][len(tags[0]):])  # the template's marker, this layer's name
+                c.args = (
+                    c.args[0],
+                    tags[1] + c.args[1][len(tags[0]) :],
+                )  # the template's marker, this layer's name
             seq = n.meta.get("seq_nr")
             if seq is not None:
                 # AOT tags accumulations with the last forward op's number, or the one after it
-                if n.target is add and own_last is not None and seq >= own_last and \
-                        n.meta.get("partitioner_tag") == "is_backward":
+                if (
+                    n.target is add
+                    and own_last is not None
+                    and seq >= own_last
+                    and n.meta.get("partitioner_tag") == "is_backward"
+                ):
                     c.meta["seq_nr"] = last  # an accumulation (the backward of an add is no add)
                 else:
                     c.meta["seq_nr"] = base + seq

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import CostModel
+from torch.distributed.device_mesh import DeviceMesh
+
+from .cost import CostModel, CostModelLike
 from .mesh import MeshSpec
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
@@ -16,12 +18,13 @@ class ShardConfig:
 
     ``mesh``: the mesh's shape and link figures; ``device_mesh``: the ``DeviceMesh`` to run on, when
     one was given; ``cost_model``: prices collectives (any object with ``.mesh`` and
-    ``.collective(kind, mesh_dims, local_bytes)``); ``multi_dim_collectives``: the planner may use one
-    collective over several mesh dims (a flattened group) where that is cheaper;
+    ``.collective(kind, mesh_dims, local_bytes)``); ``multi_dim_collectives``: the planner may use
+    one collective over several mesh dims (a flattened group) where that is cheaper;
     ``bucket_bytes``: independent collectives of one kind are merged in the per-rank graph up to
     this many bytes (0: off); ``batch_size``: data-parallel mesh dims shard only inputs of this
     leading size (None: every input whose dim 0 divides); ``replicate_grads``: a joint graph hands
-    its gradients back global (the ``torch.compile`` backend) instead of placed like their values."""
+    its gradients back global (the ``torch.compile`` backend) instead of placed like their
+    values."""
 
     mesh: MeshSpec
     cost_model: object
@@ -32,15 +35,21 @@ class ShardConfig:
     replicate_grads: bool = False
 
     @classmethod
-    def make(cls, mesh, *, cost_model=None, **options) -> ShardConfig:
+    def make(
+        cls, mesh: MeshSpec | DeviceMesh, *, cost_model: CostModelLike | None = None, **options
+    ) -> ShardConfig:
         """From a ``MeshSpec`` or ``DeviceMesh``, with the default cost model when none is given;
         checks that a given cost model prices this mesh."""
         device_mesh = None if isinstance(mesh, MeshSpec) else mesh
         spec = MeshSpec.from_device_mesh(mesh)
         cm = cost_model if cost_model is not None else CostModel(spec)
         if not hasattr(cm, "collective") or not isinstance(getattr(cm, "mesh", None), MeshSpec):
-            raise TypeError(f"cost_model={cm!r}: a cost model needs .mesh (a MeshSpec) and "
-                            f".collective(kind, mesh_dims, local_bytes) -> us, e.g. fxshard.CostModel(mesh)")
+            raise TypeError(
+                f"cost_model={cm!r}: a cost model needs .mesh (a MeshSpec) and "
+                f".collective(kind, mesh_dims, local_bytes) -> us, e.g. fxshard.CostModel(mesh)"
+            )
         if cm.mesh.shape != spec.shape:
-            raise ValueError(f"the cost model is for mesh {cm.mesh.shape}, the program for {spec.shape}")
+            raise ValueError(
+                f"the cost model is for mesh {cm.mesh.shape}, the program for {spec.shape}"
+            )
         return cls(spec, cm, device_mesh, **options)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 from .mesh import MeshSpec
 
@@ -36,9 +37,19 @@ ALL_TO_ALL = "all_to_all"
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 
 
+class CostModelLike(Protocol):
+    """What a planner needs of a cost model: the mesh it prices and a collective's modelled µs
+    (``CostModel`` is one; any object with these two works)."""
+
+    mesh: MeshSpec
+
+    def collective(self, kind: str, mesh_dims: Sequence[int], local_bytes: float) -> float: ...
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Collective costs on a mesh. ``collective(kind, mesh_dims, local_bytes)`` is all a planner needs."""
+    """Collective costs on a mesh. ``collective(kind, mesh_dims, local_bytes)`` is all a planner
+    needs."""
 
     mesh: MeshSpec
     base_latency_us: float = BASE_LATENCY_US
@@ -111,7 +122,7 @@ _PROBE_BYTES = float(1 << 20)
 _probed: dict = {}
 
 
-def planner_tables(cost_model) -> tuple[dict, dict]:
+def planner_tables(cost_model: CostModelLike) -> tuple[dict, dict]:
     """Per-mesh-dim latency and µs-per-byte tables for the planner.
 
     ``CostModel`` has them exactly.  Any other object works if it has ``mesh`` (a MeshSpec) and
@@ -125,16 +136,21 @@ def planner_tables(cost_model) -> tuple[dict, dict]:
     if hit is not None and hit[0] is cost_model:
         return hit[1]
     if not hasattr(cost_model, "collective") or not hasattr(cost_model, "mesh"):
-        raise TypeError(f"a cost model needs .mesh and .collective(kind, mesh_dims, local_bytes); "
-                        f"{type(cost_model).__name__} has not")
+        raise TypeError(
+            f"a cost model needs .mesh and .collective(kind, mesh_dims, local_bytes); "
+            f"{type(cost_model).__name__} has not"
+        )
     lat, fac = {}, {}
     for kind in COLLECTIVES:
         for m in range(cost_model.mesh.ndim):
             a = float(cost_model.collective(kind, (m,), 0.0))
             b = float(cost_model.collective(kind, (m,), _PROBE_BYTES))
             if a < 0 or b < a:
-                raise ValueError(f"cost model {type(cost_model).__name__}: {kind} on mesh dim {m} must cost >= 0 "
-                                 f"and not less for more bytes (got {a} us for 0 B, {b} us for 1 MiB)")
+                raise ValueError(
+                    f"cost model {type(cost_model).__name__}: {kind} on mesh dim {m} must cost >= "
+                    "0 "
+                    f"and not less for more bytes (got {a} us for 0 B, {b} us for 1 MiB)"
+                )
             lat[kind, m] = a
             fac[kind, m] = (b - a) / _PROBE_BYTES
     _probed[key] = (cost_model, (lat, fac))

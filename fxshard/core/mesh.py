@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed.device_mesh import DeviceMesh
 
 # torch's MeshTopoInfo figures (torch/distributed/tensor/_collective_utils.py), so that our costs
 # compare with torch's on equal terms: NVLink-class bandwidth and latency inside a host, 0.22x the
@@ -46,11 +50,15 @@ class MeshSpec:
     ):
         shape = tuple(int(s) for s in shape)
         if not shape or any(s < 1 for s in shape):
-            raise ValueError(f"MeshSpec: mesh shape must be a non-empty tuple of positive sizes, got {shape}")
+            raise ValueError(
+                f"MeshSpec: mesh shape must be a non-empty tuple of positive sizes, got {shape}"
+            )
         if names is not None:
             names = tuple(names)
             if len(names) != len(shape):
-                raise ValueError(f"MeshSpec: {len(names)} dim names {names} for a {len(shape)}-D mesh {shape}")
+                raise ValueError(
+                    f"MeshSpec: {len(names)} dim names {names} for a {len(shape)}-D mesh {shape}"
+                )
             if len(set(names)) != len(names):
                 raise ValueError(f"MeshSpec: dim names must be unique, got {names}")
         default_bw, default_lat = _torch_topology(shape, devices_per_host)
@@ -58,9 +66,13 @@ class MeshSpec:
         latency = tuple(float(x) for x in latency) if latency is not None else default_lat
         for what, vals in (("bandwidth", bandwidth), ("latency", latency)):
             if len(vals) != len(shape):
-                raise ValueError(f"MeshSpec: {what} has {len(vals)} entries for a {len(shape)}-D mesh")
+                raise ValueError(
+                    f"MeshSpec: {what} has {len(vals)} entries for a {len(shape)}-D mesh"
+                )
         if any(b <= 0 for b in bandwidth) or any(x < 0 for x in latency):
-            raise ValueError(f"MeshSpec: bandwidth must be > 0 and latency >= 0, got {bandwidth}, {latency}")
+            raise ValueError(
+                f"MeshSpec: bandwidth must be > 0 and latency >= 0, got {bandwidth}, {latency}"
+            )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "names", names)
         object.__setattr__(self, "bandwidth", bandwidth)
@@ -86,7 +98,7 @@ class MeshSpec:
         return dim % self.ndim
 
     @classmethod
-    def from_device_mesh(cls, device_mesh, **overrides) -> MeshSpec:
+    def from_device_mesh(cls, device_mesh: DeviceMesh | MeshSpec, **overrides) -> MeshSpec:
         """Build from a ``torch.distributed.DeviceMesh`` (or pass a MeshSpec through)."""
         if isinstance(device_mesh, MeshSpec):
             return device_mesh

@@ -18,7 +18,16 @@ from functools import lru_cache
 
 import torch
 
-from .._torch import Partial, Replicate, Shard, StridedShard, is_strided_shard, placement_kind, strided_split_factor
+from .._torch import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+    is_strided_shard,
+    placement_kind,
+    strided_split_factor,
+)
 from .mesh import MeshSpec
 
 Level = tuple[int, int]  # (mesh_dim, split_factor)
@@ -48,7 +57,9 @@ def level_positions(n: int, k: int, sf: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(o) for o in out)
 
 
-def local_indices(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]) -> list[int]:
+def local_indices(
+    n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]
+) -> list[int]:
     """Global indices held along one tensor dim by the rank at ``coord``, in local order."""
     idx = list(range(n))
     for m, sf in levels:
@@ -57,7 +68,9 @@ def local_indices(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], co
     return idx
 
 
-def local_extent(n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]) -> int:
+def local_extent(
+    n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]
+) -> int:
     for m, sf in levels:
         if sf != 1:
             n = len(level_positions(n, mesh_shape[m], sf)[coord[m]])
@@ -83,7 +96,7 @@ def is_even(spec: ShardingSpec) -> bool:
     return all(levels_divide(n, lv, shape) for n, lv in zip(spec.shape, spec.levels) if lv)
 
 
-def placement_str(p) -> str:
+def placement_str(p: Placement) -> str:
     k = placement_kind(p)
     if k == "SS":
         return f"_S({p.dim},{strided_split_factor(p)})"
@@ -100,8 +113,10 @@ def _check_placements(mesh: MeshSpec, placements, ndim: int, what: str) -> tuple
     placements = tuple(placements)
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"{what}: {len(placements)} placements {tuple(placement_str(p) for p in placements)} for a "
-            f"{mesh.ndim}-D mesh {mesh.shape}; give exactly one placement per mesh dim")
+            f"{what}: {len(placements)} placements {tuple(placement_str(p) for p in placements)} "
+            "for a "
+            f"{mesh.ndim}-D mesh {mesh.shape}; give exactly one placement per mesh dim"
+        )
     kinds = set()
     normalized = []
     for i, p in enumerate(placements):
@@ -110,22 +125,30 @@ def _check_placements(mesh: MeshSpec, placements, ndim: int, what: str) -> tuple
             if not -ndim <= p.dim < ndim:
                 raise ValueError(
                     f"{what}: {placement_str(p)} on mesh dim {i} shards tensor dim {p.dim}, "
-                    f"out of range for a {ndim}-D tensor")
+                    f"out of range for a {ndim}-D tensor"
+                )
             if k == "SS" and strided_split_factor(p) < 1:
                 raise ValueError(f"{what}: {placement_str(p)} on mesh dim {i} has split factor < 1")
             if p.dim < 0:  # normalise negative shard dims so equal shardings compare equal
-                p = type(p)(p.dim % ndim, split_factor=strided_split_factor(p)) if k == "SS" else Shard(p.dim % ndim)
+                p = (
+                    type(p)(p.dim % ndim, split_factor=strided_split_factor(p))
+                    if k == "SS"
+                    else Shard(p.dim % ndim)
+                )
         elif k == "P":
             kinds.add(p.reduce_op)
         elif k != "R":
             raise ValueError(
                 f"{what}: unknown placement {p!r} on mesh dim {i}; expected Replicate(), Shard(d), "
-                f"Partial(op) or _StridedShard(d, sf)")
+                f"Partial(op) or _StridedShard(d, sf)"
+            )
         normalized.append(p)
     if len(kinds) > 1 and not kinds <= {"sum", "avg"}:
         # sum and avg are both linear, so their order does not matter; max/min with anything does
-        raise ValueError(f"{what}: mixed Partial kinds {sorted(kinds)} in one placement; use one reduce op "
-                         f"(only sum and avg may be mixed)")
+        raise ValueError(
+            f"{what}: mixed Partial kinds {sorted(kinds)} in one placement; use one reduce op "
+            f"(only sum and avg may be mixed)"
+        )
     for op in kinds:
         if op not in ("sum", "avg", "max", "min"):
             raise ValueError(f"{what}: Partial({op!r}) is not supported; use sum, avg, max or min")
@@ -138,7 +161,8 @@ _REDUCE_OPS = ("sum", "avg", "max", "min")
 def _plain_levels(mesh: MeshSpec, placements, ndim: int, order: dict | None = None):
     """Levels when every placement is exactly Replicate, Shard(0 <= d < ndim) or Partial of one
     allowed op (sum and avg may mix), in the default order or a ``{tensor dim: mesh dims}`` order
-    that matches the placements; None for anything else (the general path normalises or explains)."""
+    that matches the placements; None for anything else (the general path normalises or
+    explains)."""
     if len(placements) != mesh.ndim:
         return None
     by_dim: dict = {}  # tensor dim -> mesh dims sharding it, ascending
@@ -164,13 +188,19 @@ def _plain_levels(mesh: MeshSpec, placements, ndim: int, order: dict | None = No
                 return None
         else:
             return None
-    if order is not None:  # must name every sharded dim, with exactly its mesh dims (else: the general path)
+    if (
+        order is not None
+    ):  # must name every sharded dim, with exactly its mesh dims (else: the general path)
         for d in by_dim:
             if d not in order:
                 return None
         for d, ms in order.items():
-            if type(d) is not int or not 0 <= d < ndim or any(type(m) is not int for m in ms) or \
-                    sorted(ms) != by_dim.get(d, []):
+            if (
+                type(d) is not int
+                or not 0 <= d < ndim
+                or any(type(m) is not int for m in ms)
+                or sorted(ms) != by_dim.get(d, [])
+            ):
                 return None
         by_dim = order
     levels = [()] * ndim
@@ -206,8 +236,10 @@ def _normalize_order(shard_order, placements, ndim: int, what: str) -> dict[int,
     for d in set(order) | set(default):
         if sorted(order.get(d, ())) != sorted(default.get(d, ())):
             raise ValueError(
-                f"{what}: shard order {order} does not match the placements: tensor dim {d} is sharded "
-                f"by mesh dims {tuple(default.get(d, ()))}")
+                f"{what}: shard order {order} does not match the placements: tensor dim {d} is "
+                "sharded "
+                f"by mesh dims {tuple(default.get(d, ()))}"
+            )
     return order
 
 
@@ -222,22 +254,45 @@ class ShardingSpec:
     levels: Levels
 
     @classmethod
-    def make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
-             what: str = "sharding", cache: bool = True) -> ShardingSpec:
-        """Validated spec; ``what`` names the value in error messages.  Memoised: annotation asks for
-        the same (placements, shape) pairs thousands of times (``cache=False``: built afresh)."""
+    def make(
+        cls,
+        mesh: MeshSpec,
+        placements: Sequence[Placement],
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        shard_order: dict | tuple | None = None,
+        what: str = "sharding",
+        cache: bool = True,
+    ) -> ShardingSpec:
+        """Validated spec; ``what`` names the value in error messages.  Memoised: annotation asks
+        for the same (placements, shape) pairs thousands of times (``cache=False``: built
+        afresh)."""
         if not cache:
             return cls._make(mesh, placements, shape, dtype, shard_order, what)
         try:
-            key_order = None if shard_order is None else (
-                tuple(sorted(shard_order.items())) if isinstance(shard_order, dict) else tuple(shard_order))
+            key_order = (
+                None
+                if shard_order is None
+                else (
+                    tuple(sorted(shard_order.items()))
+                    if isinstance(shard_order, dict)
+                    else tuple(shard_order)
+                )
+            )
             return _make_cached(mesh, tuple(placements), tuple(shape), dtype, key_order, what)
         except TypeError:  # unhashable input (e.g. lists inside): build uncached
             return cls._make(mesh, placements, shape, dtype, shard_order, what)
 
     @classmethod
-    def _make(cls, mesh: MeshSpec, placements, shape, dtype=torch.float32, shard_order=None,
-              what: str = "sharding") -> ShardingSpec:
+    def _make(
+        cls,
+        mesh: MeshSpec,
+        placements: Sequence[Placement],
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        shard_order: dict | tuple | None = None,
+        what: str = "sharding",
+    ) -> ShardingSpec:
         shape = tuple(map(int, shape))
         order = shard_order
         if isinstance(order, tuple):  # (tensor dim, mesh dims) pairs, as make() keys them
@@ -287,7 +342,9 @@ class ShardingSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def local_shape(self, coord: Sequence[int]) -> tuple[int, ...]:
-        return tuple(local_extent(n, lv, self.mesh.shape, coord) for n, lv in zip(self.shape, self.levels))
+        return tuple(
+            local_extent(n, lv, self.mesh.shape, coord) for n, lv in zip(self.shape, self.levels)
+        )
 
     def local_indices(self, coord: Sequence[int], dim: int) -> list[int]:
         return local_indices(self.shape[dim], self.levels[dim], self.mesh.shape, coord)
@@ -311,7 +368,8 @@ class ShardingSpec:
         return out.contiguous()
 
     def shard_full(self, full: torch.Tensor, coord: Sequence[int]) -> torch.Tensor:
-        """This rank's local tensor of ``full`` (Partial dims: rank 0 of the dim holds the value)."""
+        """This rank's local tensor of ``full`` (Partial dims: rank 0 of the dim holds the
+        value)."""
         out = full
         for d, lv in enumerate(self.levels):
             if lv:
@@ -331,9 +389,9 @@ def _make_cached(mesh, placements, shape, dtype, shard_order, what):
     return ShardingSpec._make(mesh, placements, shape, dtype, shard_order, what)
 
 
-def placements_str(placements, levels: Levels | None = None) -> str:
-    """Compact form such as ``S(0)[1]S(0)[0]R``: the bracket is the position in the shard order, shown
-    only when the order is not the default."""
+def placements_str(placements: Sequence[Placement], levels: Levels | None = None) -> str:
+    """Compact form such as ``S(0)[1]S(0)[0]R``: the bracket is the position in the shard order,
+    shown only when the order is not the default."""
     s = []
     pos = {}
     nondefault = False
@@ -352,12 +410,13 @@ def placements_str(placements, levels: Levels | None = None) -> str:
     return "".join(s)
 
 
-def canonical_levels(levels: Levels, shape, mesh_shape) -> Levels:
+def canonical_levels(levels: Levels, shape: Sequence[int], mesh_shape: Sequence[int]) -> Levels:
     """Rewrite strided levels that are only a shard order in disguise as plain levels.
 
-    ``(m, sf)`` followed by plain levels whose sizes multiply to ``sf`` is the same partition as those
-    levels followed by ``(m, 1)`` (the right-to-left sharding _StridedShard was made for).  The
-    rewrite is kept only when it gives every rank exactly the same indices (uneven sizes can differ).
+    ``(m, sf)`` followed by plain levels whose sizes multiply to ``sf`` is the same partition as
+    those levels followed by ``(m, 1)`` (the right-to-left sharding _StridedShard was made for).
+    The rewrite is kept only when it gives every rank exactly the same indices (uneven sizes can
+    differ).
     """
     if not any(sf != 1 for lv in levels for _, sf in lv):
         return levels  # only strided levels can be rewritten
@@ -368,7 +427,7 @@ def canonical_levels(levels: Levels, shape, mesh_shape) -> Levels:
         while changed:
             changed = False
             for p, (m, sf) in enumerate(lv):
-                rest = lv[p + 1:]
+                rest = lv[p + 1 :]
                 if sf == 1 or not rest or any(s != 1 for _, s in rest):
                     continue
                 if math.prod(mesh_shape[r] for r, _ in rest) != sf:

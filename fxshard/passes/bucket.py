@@ -56,14 +56,24 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -
         key = _collective_key(n)
         if key is not None:
             # joint graphs: a forward collective never shares a bucket with a backward one (the
-            # partitioner must be able to split them, and a forward value must not wait on a gradient)
+            # partitioner must be able to split them, and a forward value must not wait on a
+            # gradient)
             key = (*key, _phase(n))
         wait = _wait_of(n) if key else None
         if key is None or wait is None or not isinstance(n.args[0], fx.Node):
             continue
         x = n.args[0]
         first_use = min((order[u] for u in wait.users), default=math.inf)
-        items.append((key, n, wait, order[x], first_use, x.meta["val"].numel() * x.meta["val"].element_size()))
+        items.append(
+            (
+                key,
+                n,
+                wait,
+                order[x],
+                first_use,
+                x.meta["val"].numel() * x.meta["val"].element_size(),
+            )
+        )
     buckets: list[list] = []
     open_by_key: dict = {}
     for it in items:
@@ -111,7 +121,11 @@ def _rewrite(gm, bucket, order):
     wait = emit(_F.wait_tensor.default, (coll,))
     sizes = [x.meta["val"].numel() for x in inputs]
     total = sum(sizes)
-    grid = emit(torch.ops.aten.reshape.default, (wait, [key[1], total])) if key[0] == "all_gather" else None
+    grid = (
+        emit(torch.ops.aten.reshape.default, (wait, [key[1], total]))
+        if key[0] == "all_gather"
+        else None
+    )
     for i, (it, x) in enumerate(zip(bucket, inputs)):
         val = x.meta["val"]
         if key[0] == "all_reduce":
@@ -119,7 +133,9 @@ def _rewrite(gm, bucket, order):
             out = emit(torch.ops.aten.reshape.default, (part, list(val.shape)))
         else:
             part = emit(torch.ops.aten.narrow.default, (grid, 1, sum(sizes[:i]), sizes[i]))
-            out = emit(torch.ops.aten.reshape.default, (part, [key[1] * val.shape[0], *val.shape[1:]]))
+            out = emit(
+                torch.ops.aten.reshape.default, (part, [key[1] * val.shape[0], *val.shape[1:]])
+            )
         it[2].replace_all_uses_with(out)
     for it in bucket:
         g.erase_node(it[2])

@@ -19,19 +19,27 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._torch import COLLECTIVE_OPS, fake_mode
-from ..core.spec import placements_str
+from ..core.spec import ShardingSpec, placements_str
 from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
-from ..planner.execute import execute_plan
+from ..planner.execute import MeshGroups, execute_plan
 from ..rules import EMBEDDING
 
 aten = torch.ops.aten
-_SIZE_ARG_OPS = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
-                 aten.expand.default: 1, aten.new_empty.default: 1, aten.new_zeros.default: 1,
-                 aten.new_ones.default: 1, aten.new_full.default: 1}
+_SIZE_ARG_OPS = {
+    aten.view.default: 1,
+    aten._unsafe_view.default: 1,
+    aten.reshape.default: 1,
+    aten.expand.default: 1,
+    aten.new_empty.default: 1,
+    aten.new_zeros.default: 1,
+    aten.new_ones.default: 1,
+    aten.new_full.default: 1,
+}
 
 
 class PlaceholderGroups:
-    """Stand-in group names (``fxshard_mesh_dim_0``, ``fxshard_mesh_dims_0_1``) until ``bind_groups``."""
+    """Stand-in group names (``fxshard_mesh_dim_0``, ``fxshard_mesh_dims_0_1``) until
+    ``bind_groups``."""
 
     def __getitem__(self, key):
         if isinstance(key, int):
@@ -39,7 +47,7 @@ class PlaceholderGroups:
         return "fxshard_mesh_dims_" + "_".join(map(str, key))
 
 
-def local_shape(spec) -> tuple[int, ...]:
+def local_shape(spec: ShardingSpec) -> tuple[int, ...]:
     # even shardings only (annotate guarantees it): every rank has the shape of rank 0
     return spec.local_shape((0,) * spec.mesh.ndim)
 
@@ -69,10 +77,16 @@ class _LocalInterpreter(fx.Interpreter):
                 return aten.reshape.default(*args, **kwargs)
             return n.target(*args, **kwargs)
         if n.target is EMBEDDING and rec.input_specs and rec.input_specs[0].levels[0]:
-            # the weight's rows (the vocabulary) are sharded: a masked local lookup, summed by the plan
+            # the weight's rows (the vocabulary) are sharded: a masked local lookup, summed by the
+            # plan
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return _vocab_parallel_embedding(args[0], args[1], rec.input_specs[0], self.coord)
-        if self.device is not None and n.op == "call_function" and "device" in n.kwargs and not n.all_input_nodes:
+        if (
+            self.device is not None
+            and n.op == "call_function"
+            and "device" in n.kwargs
+            and not n.all_input_nodes
+        ):
             # factories made where the program was captured (e.g. meta) run where it is compiled
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return n.target(*args, **{**kwargs, "device": self.device})
@@ -94,10 +108,13 @@ def _vocab_parallel_embedding(weight, indices, wspec, coord):
     return out.masked_fill(mask.unsqueeze(-1), 0)
 
 
-def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, device=None) -> fx.GraphModule:
+def lower_to_local(
+    gm: fx.GraphModule, mesh_ndim: int, device: torch.device | str | None = None
+) -> fx.GraphModule:
     """The per-rank graph: inputs ``(coord, *local placeholders)``, outputs local shards.
 
-    ``device``: where the graph will run (factory ops are moved there); default: where it was captured."""
+    ``device``: where the graph will run (factory ops are moved there); default: where it was
+    captured."""
     groups = PlaceholderGroups()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     device = torch.device(device) if device is not None else None
@@ -111,7 +128,11 @@ def lower_to_local(gm: fx.GraphModule, mesh_ndim: int, device=None) -> fx.GraphM
         for p in placeholders:
             spec = info(p).spec
             val = p.meta.get("val")
-            where = device if device is not None else (val.device if isinstance(val, torch.Tensor) else None)
+            where = (
+                device
+                if device is not None
+                else (val.device if isinstance(val, torch.Tensor) else None)
+            )
             fakes.append(torch.empty(local_shape(spec), dtype=spec.dtype, device=where))
     local = make_fx(run, tracing_mode="fake")(*fakes)
     # name the inputs after the global graph's placeholders (the first is the mesh coordinate)
@@ -135,10 +156,18 @@ def planned_collectives(gm: fx.GraphModule) -> list[Collective]:
             continue
         where = f"{rec.module}: " if rec.module else ""
         for step, nbytes in rec.plan.collective_bytes():
-            out.append(Collective(step.collective, step.mesh_dims, nbytes, step.cost, n.name,
-                                  f"{where}{rec.provenance}",
-                                  f"{placements_str((step.src,))}->{placements_str((step.dst,))}",
-                                  "backward" if n in backward else "forward"))
+            out.append(
+                Collective(
+                    step.collective,
+                    step.mesh_dims,
+                    nbytes,
+                    step.cost,
+                    n.name,
+                    f"{where}{rec.provenance}",
+                    f"{placements_str((step.src,))}->{placements_str((step.dst,))}",
+                    "backward" if n in backward else "forward",
+                )
+            )
     return out
 
 
@@ -148,14 +177,17 @@ def _record_collectives(local: fx.GraphModule, gm: fx.GraphModule) -> None:
     planned = planned_collectives(gm)
     nodes = collective_nodes(local)
     if len(nodes) != len(planned):  # pragma: no cover - would be a lowering bug
-        raise AssertionError(f"fxshard.lower: {len(nodes)} collectives in the per-rank graph for {len(planned)} "
-                             f"planned")
+        raise AssertionError(
+            f"fxshard.lower: {len(nodes)} collectives in the per-rank graph for {len(planned)} "
+            f"planned"
+        )
     for n, c in zip(nodes, planned):
         info(n).carries = (c,)
 
 
-def bind_groups(local: fx.GraphModule, groups) -> fx.GraphModule:
-    """A copy of ``local`` whose collectives use the process groups ``groups`` (one name per mesh dim)."""
+def bind_groups(local: fx.GraphModule, groups: MeshGroups) -> fx.GraphModule:
+    """A copy of ``local`` whose collectives use the process groups ``groups`` (one name per mesh
+    dim)."""
     out = copy.deepcopy(local)
     for n in out.graph.nodes:
         if n.op == "call_function" and n.target in COLLECTIVE_OPS:
@@ -163,7 +195,7 @@ def bind_groups(local: fx.GraphModule, groups) -> fx.GraphModule:
             if isinstance(name, str) and name.startswith("fxshard_mesh_dim_"):
                 n.args = (*n.args[:-1], groups[int(name.rsplit("_", 1)[1])])
             elif isinstance(name, str) and name.startswith("fxshard_mesh_dims_"):
-                dims = tuple(int(x) for x in name[len("fxshard_mesh_dims_"):].split("_"))
+                dims = tuple(int(x) for x in name[len("fxshard_mesh_dims_") :].split("_"))
                 n.args = (*n.args[:-1], groups[dims])
     out.recompile()
     return out

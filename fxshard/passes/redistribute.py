@@ -19,7 +19,9 @@ def _same(a, b) -> bool:
     return a.placements == b.placements and a.levels == b.levels
 
 
-def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None, fuse: bool = False) -> int:
+def insert_redistributes(
+    gm: fx.GraphModule, cost_model: CostModel | None = None, fuse: bool = False
+) -> int:
     """Insert redistribute nodes; returns how many were inserted."""
     count = 0
     cache: dict[tuple, fx.Node] = {}
@@ -28,7 +30,9 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
         if node.op == "placeholder" or rec.kind == NodeKind.REDISTRIBUTE:
             continue
         if node.op == "output":
-            args = flat_outputs(node)  # aligned with input_specs (None for outputs that are not values)
+            args = flat_outputs(
+                node
+            )  # aligned with input_specs (None for outputs that are not values)
         else:
             args = tensor_args(node)
         for arg, want in zip(args, rec.input_specs):
@@ -41,9 +45,13 @@ def insert_redistributes(gm: fx.GraphModule, cost_model: CostModel | None = None
             if key not in cache:
                 src, src_spec = arg, have
                 hub = info(arg).hub  # plan="auto": the one placement this value is moved to
-                if hub is not None and not _same(hub, want) and not _same(hub, have) and \
-                        plan_between(hub, want, cost_model, even_only=True, fuse=fuse).cost < \
-                        plan_between(have, want, cost_model, even_only=True, fuse=fuse).cost:
+                if (
+                    hub is not None
+                    and not _same(hub, want)
+                    and not _same(hub, have)
+                    and plan_between(hub, want, cost_model, even_only=True, fuse=fuse).cost
+                    < plan_between(have, want, cost_model, even_only=True, fuse=fuse).cost
+                ):
                     hkey = (arg, hub.placements, hub.levels)
                     if hkey not in cache:
                         cache[hkey] = _insert(gm, node, arg, have, hub, cost_model, fuse)
@@ -72,7 +80,9 @@ def _insert(gm, node, arg, have, want, cost_model, fuse) -> fx.Node:
     rr.module = info(node).module
     rr.source, rr.code = info(node).source, info(node).code
     why = info(node).provenance
-    rr.provenance = f"planner: {node.name} needs {want}" + (f" ({why})" if why and why != "rule" else "")
+    rr.provenance = f"planner: {node.name} needs {want}" + (
+        f" ({why})" if why and why != "rule" else ""
+    )
     return r
 
 

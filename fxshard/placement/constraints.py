@@ -6,12 +6,13 @@ plan's mesh dim (``tp`` by default; other mesh dims are data parallel):
 
 * parameter placements (Colwise: weight/bias Shard(0), embedding Shard(1); Rowwise: weight Shard(1),
   bias Replicate, embedding Shard(0); SequenceParallel: Replicate);
-* the placement a module's inputs must have when the module consumes them (``desired_input_layouts``);
+* the placement a module's inputs must have when the module consumes them
+(``desired_input_layouts``);
 * the placement a module's outputs are handed on in (``output_layouts``).
 
-The graph keeps global semantics, so ``input_layouts`` (how torch would *reinterpret* a local tensor)
-is only used where fxshard decides a placement itself: for graph inputs.  Module boundaries are
-marked in the captured graph by ``fxshard::boundary`` nodes (forward hooks during capture); a
+The graph keeps global semantics, so ``input_layouts`` (how torch would *reinterpret* a local
+tensor) is only used where fxshard decides a placement itself: for graph inputs.  Module boundaries
+are marked in the captured graph by ``fxshard::boundary`` nodes (forward hooks during capture); a
 constraint applies to a boundary node by its tag ``"<module fqn>:in:<i>"`` / ``":out:<i>"``.
 """
 
@@ -42,12 +43,22 @@ class PlanConstraints:
     """Placements on the plan's mesh dim (``dim``), with the plan entry that asked for each."""
 
     dim: int | None
-    params: dict[str, tuple[object, str]] = field(default_factory=dict)  # fqn -> (placement, provenance)
-    boundaries: dict[str, tuple[object, str]] = field(default_factory=dict)  # tag -> (placement, provenance)
-    input_hints: dict[str, object] = field(default_factory=dict)  # "<module>:in:<i>" -> input_layouts
-    hooked: dict[str, tuple[int, int]] = field(default_factory=dict)  # module fqn -> (#inputs, #outputs) to mark
+    params: dict[str, tuple[object, str]] = field(
+        default_factory=dict
+    )  # fqn -> (placement, provenance)
+    boundaries: dict[str, tuple[object, str]] = field(
+        default_factory=dict
+    )  # tag -> (placement, provenance)
+    input_hints: dict[str, object] = field(
+        default_factory=dict
+    )  # "<module>:in:<i>" -> input_layouts
+    hooked: dict[str, tuple[int, int]] = field(
+        default_factory=dict
+    )  # module fqn -> (#inputs, #outputs) to mark
     auto: bool = False  # plan="auto": every placement not fixed here is chosen by the global solver
-    blocks: list[list[str]] = field(default_factory=list)  # repeated layers (auto shares their decisions)
+    blocks: list[list[str]] = field(
+        default_factory=list
+    )  # repeated layers (auto shares their decisions)
 
 
 HF_STYLES = {
@@ -62,7 +73,8 @@ HF_STYLES = {
 }
 
 
-AUTO = "auto"  # plan="auto", or a plan entry {"*": "auto"} next to fixed entries: the solver picks the rest
+# plan="auto", or a plan entry {"*": "auto"} next to fixed entries: the solver picks the rest
+AUTO = "auto"
 
 
 def plan_dim(mesh: MeshSpec, tp_dim: int | str | None) -> int:
@@ -72,11 +84,15 @@ def plan_dim(mesh: MeshSpec, tp_dim: int | str | None) -> int:
         return 0
     if mesh.names is None:
         raise ValueError(
-            f"a plan for a {mesh.ndim}-D mesh {mesh.shape} needs named mesh dims (e.g. names=('dp', 'tp')) "
-            f"or tp_dim=<index> to say which mesh dim the plan applies to")
+            f"a plan for a {mesh.ndim}-D mesh {mesh.shape} needs named mesh dims (e.g. "
+            "names=('dp', 'tp')) "
+            f"or tp_dim=<index> to say which mesh dim the plan applies to"
+        )
     if "tp" not in mesh.names:
-        raise ValueError(f"the plan applies to the mesh dim named 'tp', but the mesh dims are {mesh.names}; "
-                         f"pass tp_dim=<name>")
+        raise ValueError(
+            f"the plan applies to the mesh dim named 'tp', but the mesh dims are {mesh.names}; "
+            f"pass tp_dim=<name>"
+        )
     return mesh.names.index("tp")
 
 
@@ -85,13 +101,20 @@ def _match(pattern: str, fqn: str) -> bool:
     return len(a) == len(b) and all(fnmatch.fnmatchcase(y, x) for x, y in zip(a, b))
 
 
-def resolve_plan(plan: dict | None, model: nn.Module | None, mesh: MeshSpec, tp_dim=None) -> PlanConstraints:
+def resolve_plan(
+    plan: dict | str | None,
+    model: nn.Module | None,
+    mesh: MeshSpec,
+    tp_dim: int | str | None = None,
+) -> PlanConstraints:
     """The constraints of ``plan`` on ``model``.  Without a plan: none, but the plan dim is still
-    known where it can be (``tp_dim``, a 1-D mesh, a dim named ``tp``): inputs are then batch-sharded
-    on the other (data-parallel) dims."""
+    known where it can be (``tp_dim``, a 1-D mesh, a dim named ``tp``): inputs are then
+    batch-sharded on the other (data-parallel) dims."""
     if isinstance(plan, str):
         if plan != AUTO:
-            raise ValueError(f"plan={plan!r}: a plan is a dict of module FQN -> ParallelStyle, or {AUTO!r}")
+            raise ValueError(
+                f"plan={plan!r}: a plan is a dict of module FQN -> ParallelStyle, or {AUTO!r}"
+            )
         plan = {"*": AUTO}
     if isinstance(plan, dict) and any(isinstance(s, str) and s == AUTO for s in plan.values()):
         rest = {k: s for k, s in plan.items() if not (isinstance(s, str) and s == AUTO)}
@@ -101,30 +124,40 @@ def resolve_plan(plan: dict | None, model: nn.Module | None, mesh: MeshSpec, tp_
         out.auto = True
         out.blocks = [[fqn for fqn, _ in g] for g in layer_groups(model)]
         for group in out.blocks:
-            for fqn in group:  # mark every layer's inputs and output: its nodes are what lies between
+            for (
+                fqn
+            ) in group:  # mark every layer's inputs and output: its nodes are what lies between
                 a, b = out.hooked.get(fqn, (0, 0))
                 out.hooked[fqn] = (max(a, 16), max(b, 1))
         return out
     if not plan:
-        default_dim = tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
+        default_dim = (
+            tp_dim is not None or mesh.ndim == 1 or bool(mesh.names and "tp" in mesh.names)
+        )
         return PlanConstraints(dim=plan_dim(mesh, tp_dim) if default_dim else None)
     if model is None:
-        raise ValueError("a module plan needs an nn.Module; for a plain callable pass input_placements / "
-                         "output_placements instead")
+        raise ValueError(
+            "a module plan needs an nn.Module; for a plain callable pass input_placements / "
+            "output_placements instead"
+        )
     dim = plan_dim(mesh, tp_dim)
     modules = dict(model.named_modules())
     out = PlanConstraints(dim=dim)
     for pattern, style in plan.items():
         if isinstance(style, str):
             if style not in HF_STYLES:
-                raise ValueError(f"plan entry {pattern!r}: unknown tp_plan style {style!r}; "
-                                 f"known: {sorted(HF_STYLES)}")
+                raise ValueError(
+                    f"plan entry {pattern!r}: unknown tp_plan style {style!r}; "
+                    f"known: {sorted(HF_STYLES)}"
+                )
             style = HF_STYLES[style]()
         matches = [f for f in modules if f and _match(pattern, f)]
         if not matches:
             close = difflib.get_close_matches(pattern, [f for f in modules if f], n=5, cutoff=0.5)
-            raise ValueError(f"plan entry {pattern!r} matches no module of {type(model).__name__}; "
-                             f"closest existing FQNs: {close or sorted(modules)[:8]}")
+            raise ValueError(
+                f"plan entry {pattern!r} matches no module of {type(model).__name__}; "
+                f"closest existing FQNs: {close or sorted(modules)[:8]}"
+            )
         for fqn in matches:
             _apply_style(out, fqn, modules[fqn], style, f"{pattern}: {_style_name(style)}")
     return out
@@ -149,8 +182,10 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
     is_linear, is_emb = isinstance(mod, nn.Linear), isinstance(mod, nn.Embedding)
     if isinstance(style, ColwiseParallel) or style == "packed_colwise":
         if not (is_linear or is_emb):
-            raise ValueError(f"{prov}: ColwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
-                             f"{type(mod).__name__}")
+            raise ValueError(
+                f"{prov}: ColwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
+                f"{type(mod).__name__}"
+            )
         for name, _ in _params(mod):
             if style == "packed_colwise":
                 set_param(name, StridedShard(0, split_factor=2))
@@ -164,8 +199,10 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
         out.boundaries[f"{fqn}:out:0"] = (style.output_layouts[0], prov)
     elif isinstance(style, RowwiseParallel):
         if not (is_linear or is_emb):
-            raise ValueError(f"{prov}: RowwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
-                             f"{type(mod).__name__}")
+            raise ValueError(
+                f"{prov}: RowwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
+                f"{type(mod).__name__}"
+            )
         for name, _ in _params(mod):
             if is_emb:
                 set_param(name, Shard(0))

@@ -12,7 +12,9 @@ op, the node and its source line.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
 from .._torch import tree_map
@@ -21,15 +23,20 @@ from ..ir import GRAD_TAG, STATE_KINDS, NodeKind, info, tensor_args
 from .problem import PlacementProblem, _val, shape_key
 
 
-def state_placement(problem: PlacementProblem, fqn: str, val) -> tuple[ShardingSpec, str, str | None]:
+def state_placement(
+    problem: PlacementProblem, fqn: str, val: torch.Tensor
+) -> tuple[ShardingSpec, str, str | None]:
     """(spec, provenance, warning) of a parameter / buffer: the plan's placement on the plan dim,
     replicated otherwise (and where the plan's placement does not divide the shape evenly)."""
     opts = problem.state_options(fqn, val)
     if is_even(opts.requested):
         return opts.requested, opts.provenance, None
-    warning = (f"{opts.provenance} asks for {placements_str(opts.requested.placements)} on {fqn} of shape "
-               f"{tuple(val.shape)}, which mesh {problem.mesh.shape} does not divide evenly; keeping {fqn} "
-               f"replicated")
+    warning = (
+        f"{opts.provenance} asks for {placements_str(opts.requested.placements)} on {fqn} of shape "
+        f"{tuple(val.shape)}, which mesh {problem.mesh.shape} does not divide evenly; keeping "
+        f"{fqn} "
+        f"replicated"
+    )
     return problem.replicated(val), f"replicated (indivisible for {opts.provenance})", warning
 
 
@@ -52,8 +59,10 @@ class Greedy:
         rec.spec, rec.provenance = opts.requested, opts.provenance
         if rec.kind == NodeKind.TANGENT or is_even(opts.requested):
             return
-        self.p.warn(f"input {rec.input_index} ({node.name}) of shape {tuple(val.shape)} does not divide "
-                    f"evenly as {opts.requested}; replicating it")
+        self.p.warn(
+            f"input {rec.input_index} ({node.name}) of shape {tuple(val.shape)} does not divide "
+            f"evenly as {opts.requested}; replicating it"
+        )
         rec.provenance += " -> replicated (indivisible)"
         rec.spec = self.p.replicated(val)
 
@@ -61,13 +70,17 @@ class Greedy:
         rec = info(node)
         src = info(node.args[0]).spec
         if rec.tag.startswith(GRAD_TAG):
-            # the complete gradient of a forward value, placed like the value (Partial -> Replicate):
-            # partial gradients meeting at one value are summed before this one reduction
+            # the complete gradient of a forward value, placed like the value (Partial ->
+            # Replicate): partial gradients meeting at one value are summed before this one
+            # reduction
             want = self.p.gradient_target(node)
             if want is None:
                 rec.spec, rec.provenance = src, "gradient (passthrough)"
             else:
-                rec.spec, rec.provenance = want, f"gradient of {rec.tag[len(GRAD_TAG):]}: placed like it"
+                rec.spec, rec.provenance = (
+                    want,
+                    f"gradient of {rec.tag[len(GRAD_TAG) :]}: placed like it",
+                )
             rec.input_specs = (rec.spec,)
             return
         rec.module = rec.tag.split(":")[0]
@@ -81,8 +94,10 @@ class Greedy:
             if is_even(spec):
                 rec.spec, rec.provenance = spec, f"{want[1]} ({rec.tag.split(':', 1)[1]})"
             else:
-                self.p.warn(f"{want[1]}: {rec.tag} wants {spec}, which does not divide shape "
-                            f"{tuple(node.meta['val'].shape)} evenly; leaving it as {src}")
+                self.p.warn(
+                    f"{want[1]}: {rec.tag} wants {spec}, which does not divide shape "
+                    f"{tuple(node.meta['val'].shape)} evenly; leaving it as {src}"
+                )
                 rec.spec, rec.provenance = src, "passthrough (indivisible)"
         rec.input_specs = (rec.spec,)
 
@@ -109,19 +124,28 @@ class Greedy:
             self.p.warn(self.p.fallback_warning(node, why))
 
     def _decide(self, node: fx.Node, cur: list, targets: tuple) -> tuple:
-        """(input specs, output spec(s), provenance, fallback reason) of the cheapest legal state."""
+        """(input specs, output spec(s), provenance, fallback reason) of the cheapest legal
+        state."""
         legal = self.p.legal_states(node, cur)
         multi = isinstance(node.meta.get("val"), (tuple, list))
         if legal.source != "rule":
             specs, out_specs = legal.states[0]
-            prov = "factory: replicated" if legal.source == "factory" else "fallback: replicated (no rule)"
+            prov = (
+                "factory: replicated"
+                if legal.source == "factory"
+                else "fallback: replicated (no rule)"
+            )
             return specs, out_specs if multi else out_specs[0], prov, legal.why
         best = None
         for specs, out_specs in legal.states:
             c = sum(self.p.cost(a, b) for a, b in zip(cur, specs))
             if targets and out_specs and out_specs[0] is not None:
-                c += sum(self.p.cost(out_specs[0], t) for t in targets if t.shape == out_specs[0].shape)
-            changed = sum(a.placements != b.placements or a.levels != b.levels for a, b in zip(cur, specs))
+                c += sum(
+                    self.p.cost(out_specs[0], t) for t in targets if t.shape == out_specs[0].shape
+                )
+            changed = sum(
+                a.placements != b.placements or a.levels != b.levels for a, b in zip(cur, specs)
+            )
             key = (round(c, 9), changed)
             if best is None or key < best[0]:
                 best = (key, specs, out_specs)
@@ -142,7 +166,9 @@ class Greedy:
             else:
                 specs.append(self.p.reduced(info(o).spec))
         rec.input_specs = tuple(specs)
-        rec.provenance = "output_placements" if self.p.output_placements is not None else "outputs (reduced)"
+        rec.provenance = (
+            "output_placements" if self.p.output_placements is not None else "outputs (reduced)"
+        )
 
 
 def _flat(node: fx.Node) -> list:
@@ -166,16 +192,23 @@ def annotate(gm: fx.GraphModule, problem: PlacementProblem) -> list[str]:
         elif node.op == "call_function":
             g.op(node)
         else:
-            raise NotImplementedError(f"fxshard.annotate: node {node.name} ({node.op}) is not supported")
+            raise NotImplementedError(
+                f"fxshard.annotate: node {node.name} ({node.op}) is not supported"
+            )
     return problem.warnings
 
 
-def set_placement(node: fx.Node, placements, problem: PlacementProblem) -> None:
+def set_placement(node: fx.Node, placements: Sequence, problem: PlacementProblem) -> None:
     """Force ``node``'s output placements (see ``fxshard.set_placement``): the cheapest legal state
     with exactly that output; its inputs are redistributed as needed."""
     rec = info(node)
-    want = ShardingSpec.make(problem.mesh, placements, tuple(node.meta["val"].shape), node.meta["val"].dtype,
-                             what=f"set_placement({node.name})")
+    want = ShardingSpec.make(
+        problem.mesh,
+        placements,
+        tuple(node.meta["val"].shape),
+        node.meta["val"].dtype,
+        what=f"set_placement({node.name})",
+    )
     if node.op == "placeholder" or rec.kind == NodeKind.BOUNDARY:
         rec.spec = want
         if rec.kind == NodeKind.BOUNDARY:
@@ -192,8 +225,11 @@ def set_placement(node: fx.Node, placements, problem: PlacementProblem) -> None:
         if best is None or c < best[0]:
             best = (c, specs)
     if best is None:
-        raise ValueError(f"set_placement({node.name}): the sharding rule of {node.target} allows no strategy with "
-                         f"output {want}")
+        raise ValueError(
+            f"set_placement({node.name}): the sharding rule of {node.target} allows no strategy "
+            "with "
+            f"output {want}"
+        )
     rec.input_specs, rec.spec, rec.provenance = best[1], want, "set_placement"
 
 

@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 
 from .. import rules
-from .._torch import Partial, Replicate, Shard, flop_count, is_strided_shard, tree_map
+from .._torch import Partial, Placement, Replicate, Shard, flop_count, is_strided_shard, tree_map
+from ..core.cost import CostModelLike
 from ..core.mesh import MeshSpec
 from ..core.spec import ShardingSpec, is_even
 from ..ir import (
@@ -92,7 +93,7 @@ def _val(x):
     return x.meta["val"] if isinstance(x, fx.Node) else x
 
 
-def normalize(p, ndim: int):
+def normalize(p: Placement, ndim: int) -> Placement:
     """``Shard(-1)`` -> ``Shard(ndim - 1)``: placements compare equal only normalised."""
     if isinstance(p, Shard) and p.dim < 0:
         return Shard(p.dim % ndim)
@@ -105,7 +106,7 @@ def _leaf_key(v):
     return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
 
 
-def shape_key(x):
+def shape_key(x: object) -> object:
     """A hashable key of an op's arguments by shapes and values (repeated layers ask alike)."""
     return arg_key(x, _leaf_key)
 
@@ -114,18 +115,30 @@ def custom_op_error(node: fx.Node, rec: NodeInfo) -> ValueError:
     ns, name = node.target.name().split("::")
     name = name.split(".")[0]
     return ValueError(
-        f"{node.target} at node {node.name}{where(rec)} is a custom op with no sharding rule; register "
-        f"one, e.g. fxshard.register_rule(torch.ops.{ns}.{name}.default, [((Shard(0), ...), (Shard(0),))]) "
+        f"{node.target} at node {node.name}{where(rec)} is a custom op with no sharding rule; "
+        "register "
+        f"one, e.g. fxshard.register_rule(torch.ops.{ns}.{name}.default, [((Shard(0), ...), "
+        "(Shard(0),))]) "
         f"listing per-mesh-dim (input placements, output placements), or register an all-Replicate "
-        f"rule to compute it replicated")
+        f"rule to compute it replicated"
+    )
 
 
 class PlacementProblem:
     """The placement problem of one graph under one plan (see the module docstring)."""
 
-    def __init__(self, mesh: MeshSpec, cost_model, constraints: PlanConstraints, *,
-                 input_placements: Sequence | None = None, output_placements: Sequence | None = None,
-                 multi_dim: bool = False, batch_size: int | None = None, replicate_grads: bool = False):
+    def __init__(
+        self,
+        mesh: MeshSpec,
+        cost_model: CostModelLike,
+        constraints: PlanConstraints,
+        *,
+        input_placements: Sequence | None = None,
+        output_placements: Sequence | None = None,
+        multi_dim: bool = False,
+        batch_size: int | None = None,
+        replicate_grads: bool = False,
+    ):
         self.mesh = mesh
         self.cm = cost_model
         self.cons = constraints
@@ -139,17 +152,26 @@ class PlacementProblem:
         self._candidates: dict = {}
 
     # ---- specs and costs ------------------------------------------------------------------------
-    def spec(self, placements: Sequence, val: torch.Tensor, order=None, what: str = "") -> ShardingSpec:
+    def spec(
+        self, placements: Sequence, val: torch.Tensor, order: tuple | None = None, what: str = ""
+    ) -> ShardingSpec:
         placements = tuple(normalize(p, val.ndim) for p in placements)
-        return ShardingSpec.make(self.mesh, placements, tuple(val.shape), val.dtype, order, what=what)
+        return ShardingSpec.make(
+            self.mesh, placements, tuple(val.shape), val.dtype, order, what=what
+        )
 
     def replicated(self, val: torch.Tensor) -> ShardingSpec:
         return self.spec([Replicate()] * self.mesh.ndim, val)
 
     def reduced(self, spec: ShardingSpec) -> ShardingSpec:
         """``spec`` with every partial mesh dim reduced (Partial -> Replicate)."""
-        return ShardingSpec.make(self.mesh, [Replicate() if isinstance(p, Partial) else p for p in spec.placements],
-                                 spec.shape, spec.dtype, spec.shard_order)
+        return ShardingSpec.make(
+            self.mesh,
+            [Replicate() if isinstance(p, Partial) else p for p in spec.placements],
+            spec.shape,
+            spec.dtype,
+            spec.shard_order,
+        )
 
     def warn(self, msg: str) -> None:
         self.warnings.append(msg)
@@ -170,7 +192,9 @@ class PlacementProblem:
         key = (node.target, shape_key(args), shape_key(kwargs), tuple(placements))
         if key not in self._candidates:
             try:
-                self._candidates[key] = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
+                self._candidates[key] = rules.candidates(
+                    node.target, args, kwargs, self.rules_mesh, placements
+                )
             except Exception as e:  # a rule that raises is treated as no rule, loudly
                 log.debug("rule for %s raised %r", node.target, e)
                 self._candidates[key] = None
@@ -184,7 +208,10 @@ class PlacementProblem:
             if plc is None:
                 specs.append(c)
                 continue
-            if any(is_strided_shard(p) or (isinstance(p, Partial) and type(p) is not Partial) for p in plc):
+            if any(
+                is_strided_shard(p) or (isinstance(p, Partial) and type(p) is not Partial)
+                for p in plc
+            ):
                 return None
             s = self.spec(plc, _val(a))
             if not is_even(s):
@@ -202,20 +229,30 @@ class PlacementProblem:
         cands = self.candidates(node, [s.placements for s in cur])
         rep_out = tuple(self.replicated(v) if isinstance(v, torch.Tensor) else None for v in outs)
         if cands == "factory":
-            return LegalStates([(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "factory")
+            return LegalStates(
+                [(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "factory"
+            )
         used = used_outputs(node)
         states, seen = [], set()
         for ins, o in cands or ():
             try:
                 specs = self.input_specs_for(ins, targs, cur)
-                out_specs = tuple(self.spec(p, v) if p is not None and isinstance(v, torch.Tensor) else None
-                                  for p, v in zip(o, outs))
+                out_specs = tuple(
+                    self.spec(p, v) if p is not None and isinstance(v, torch.Tensor) else None
+                    for p, v in zip(o, outs)
+                )
             except ValueError:
                 continue
-            if specs is None or len(out_specs) != len(outs) or not all(s is None or is_even(s) for s in out_specs):
+            if (
+                specs is None
+                or len(out_specs) != len(outs)
+                or not all(s is None or is_even(s) for s in out_specs)
+            ):
                 continue
-            if any(s is None and isinstance(v, torch.Tensor) and i in used
-                   for i, (s, v) in enumerate(zip(out_specs, outs))):
+            if any(
+                s is None and isinstance(v, torch.Tensor) and i in used
+                for i, (s, v) in enumerate(zip(out_specs, outs))
+            ):
                 continue  # a read output left unplaced: its consumers have nothing to start from
             if (specs, out_specs) not in seen:
                 seen.add((specs, out_specs))
@@ -225,14 +262,19 @@ class PlacementProblem:
         if states:
             return LegalStates(states, "rule")
         why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
-        return LegalStates([(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "fallback", why)
+        return LegalStates(
+            [(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "fallback", why
+        )
 
     def fallback_warning(self, node: fx.Node, why: str) -> str:
-        return f"{node.target} at node {node.name}{where(info(node))} {why}; computing it replicated"
+        return (
+            f"{node.target} at node {node.name}{where(info(node))} {why}; computing it replicated"
+        )
 
     # ---- placeholders ---------------------------------------------------------------------------
     def data_parallel(self, val: torch.Tensor) -> list:
-        """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh dim."""
+        """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh
+        dim."""
         out = [Replicate()] * self.mesh.ndim
         if self.cons.dim is None and self.input_placements is None:
             return out
@@ -265,20 +307,33 @@ class PlacementProblem:
         every = tuple(range(self.mesh.ndim))
         if rec.kind in STATE_KINDS:
             return self.state_options(rec.fqn, val)
-        if rec.kind == TANGENT:  # an incoming gradient, placed like its output (replicated by default)
+        if (
+            rec.kind == TANGENT
+        ):  # an incoming gradient, placed like its output (replicated by default)
             i = rec.output_index
-            given = self.output_placements[i] if self.output_placements is not None and \
-                i < len(self.output_placements) else None
-            return PlaceholderOptions(self.spec(given if given is not None else [Replicate()] * self.mesh.ndim, val),
-                                      f"gradient of output {i}", ())
+            given = (
+                self.output_placements[i]
+                if self.output_placements is not None and i < len(self.output_placements)
+                else None
+            )
+            return PlaceholderOptions(
+                self.spec(given if given is not None else [Replicate()] * self.mesh.ndim, val),
+                f"gradient of output {i}",
+                (),
+            )
         assert rec.kind == INPUT
         i = rec.input_index
         if self.input_placements is not None:
             if i >= len(self.input_placements):
-                raise ValueError(f"input_placements has {len(self.input_placements)} entries, but the program "
-                                 f"takes input {i} ({node.name})")
-            return PlaceholderOptions(self.spec(self.input_placements[i], val, what=f"input_placements[{i}]"),
-                                      f"input_placements[{i}]", ())
+                raise ValueError(
+                    f"input_placements has {len(self.input_placements)} entries, but the program "
+                    f"takes input {i} ({node.name})"
+                )
+            return PlaceholderOptions(
+                self.spec(self.input_placements[i], val, what=f"input_placements[{i}]"),
+                f"input_placements[{i}]",
+                (),
+            )
         pl = self.data_parallel(val)
         hint = None
         for user in node.users:
@@ -286,8 +341,11 @@ class PlacementProblem:
                 hint = self.cons.input_hints[info(user).tag]
         if hint is not None and self.cons.dim is not None:
             pl[self.cons.dim] = hint
-        return PlaceholderOptions(self.spec(pl, val, what=f"input {i}"),
-                                  "input (plan hint)" if hint is not None else "input (data parallel)", every)
+        return PlaceholderOptions(
+            self.spec(pl, val, what=f"input {i}"),
+            "input (plan hint)" if hint is not None else "input (data parallel)",
+            every,
+        )
 
     def even_options(self, val: torch.Tensor, fixed: dict | None = None) -> list[ShardingSpec]:
         """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order, with the
@@ -326,7 +384,7 @@ class PlacementProblem:
         graph = node.graph
         if getattr(self, "_names_of", None) is None or self._names_of[0] is not graph:
             self._names_of = (graph, {n.name: n for n in graph.nodes})
-        return self._names_of[1].get(tag[len(GRAD_TAG):])
+        return self._names_of[1].get(tag[len(GRAD_TAG) :])
 
     def gradient_target(self, node: fx.Node) -> ShardingSpec | None:
         """The spec a gradient marker asks for: its forward value's, reduced (Megatron-style: the
@@ -358,32 +416,47 @@ class PlacementProblem:
                 continue
             role = Role(*roles[i]) if i < len(roles) else Role("output", i)
             val = o.meta["val"]
-            if role.kind != "output":  # a gradient: like its parameter / input, or handed back global
+            if (
+                role.kind != "output"
+            ):  # a gradient: like its parameter / input, or handed back global
                 if self.replicate_grads or role not in placeholders:
-                    out.append(OutputRequirement("fixed", self.replicated(val), placeholders.get(role), role))
+                    out.append(
+                        OutputRequirement(
+                            "fixed", self.replicated(val), placeholders.get(role), role
+                        )
+                    )
                 else:
                     out.append(OutputRequirement("like", None, placeholders[role], role))
                 continue
             k = role.what
-            given = self.output_placements[k] if self.output_placements is not None and \
-                k < len(self.output_placements) else None
+            given = (
+                self.output_placements[k]
+                if self.output_placements is not None and k < len(self.output_placements)
+                else None
+            )
             if given is not None:
-                out.append(OutputRequirement("fixed", self.spec(given, val, what=f"output_placements[{k}]"),
-                                             role=role))
-            elif joint:  # training hands back global values: its incoming gradient is replicated too
+                out.append(
+                    OutputRequirement(
+                        "fixed", self.spec(given, val, what=f"output_placements[{k}]"), role=role
+                    )
+                )
+            elif (
+                joint
+            ):  # training hands back global values: its incoming gradient is replicated too
                 out.append(OutputRequirement("fixed", self.replicated(val), role=role))
             else:  # hand back usable values: finish pending reductions
                 out.append(OutputRequirement("reduced", role=role))
         return out
 
 
-# ---- the objective ----------------------------------------------------------------------------------
+# ---- the objective -------------------------------------------------------------------------------
+
 
 def local_bytes(spec: ShardingSpec) -> float:
     return spec.nbytes / spec.num_shards
 
 
-def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm) -> float:
+def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm: CostModelLike) -> float:
     """Modelled µs of ``node`` under a strategy: its flops split over the mesh dims that shard an
     input (a contraction split over ranks leaves Partial outputs), plus the local bytes it reads and
     writes (Partial values are full size)."""
@@ -401,13 +474,15 @@ def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm) -> fl
             break
     if mesh is not None:
         for m in range(mesh.ndim):
-            if any(isinstance(s, ShardingSpec) and isinstance(s.placements[m], Shard) for s in in_specs):
+            if any(
+                isinstance(s, ShardingSpec) and isinstance(s.placements[m], Shard) for s in in_specs
+            ):
                 split *= mesh.shape[m]
     moved = sum(local_bytes(s) for s in (*in_specs, *out_specs) if isinstance(s, ShardingSpec))
     return rec.flops / split / flops_us + moved / bytes_us
 
 
-def modelled_cost(gm: fx.GraphModule, cost_model) -> dict:
+def modelled_cost(gm: fx.GraphModule, cost_model: CostModelLike) -> dict:
     """Modelled µs of an annotated, redistributed program: every redistribution's planned cost plus
     every op's compute under its placements (the same figures ``plan="auto"`` minimises), and the
     per-rank bytes of parameters and buffers."""
@@ -417,10 +492,20 @@ def modelled_cost(gm: fx.GraphModule, cost_model) -> dict:
         rec = info(n)
         if rec.kind == NodeKind.REDISTRIBUTE and rec.plan is not None:
             comm += rec.plan.cost
-        elif n.op == "placeholder" and rec.kind in STATE_KINDS and isinstance(rec.spec, ShardingSpec):
+        elif (
+            n.op == "placeholder" and rec.kind in STATE_KINDS and isinstance(rec.spec, ShardingSpec)
+        ):
             state += local_bytes(rec.spec)
-        elif n.op == "call_function" and rec.kind not in (NodeKind.BOUNDARY, NodeKind.REDISTRIBUTE) \
-                and n.target is not operator.getitem:
+        elif (
+            n.op == "call_function"
+            and rec.kind not in (NodeKind.BOUNDARY, NodeKind.REDISTRIBUTE)
+            and n.target is not operator.getitem
+        ):
             outs = rec.spec if isinstance(rec.spec, tuple) else (rec.spec,)
             compute += compute_us(n, rec.input_specs, outs, cost_model)
-    return {"comm_us": comm, "compute_us": compute, "total_us": comm + compute, "state_bytes": state}
+    return {
+        "comm_us": comm,
+        "compute_us": compute,
+        "total_us": comm + compute,
+        "state_bytes": state,
+    }

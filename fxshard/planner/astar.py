@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 
 from ..core.spec import levels_divide
 from .moves import Packing, expander
@@ -43,14 +44,28 @@ def solve(P: Problem):
     bshare = P.base_share
     h_eps = 1e-9 * (1.0 + h0)
     inc_cost, inc_moves = incumbent(P)
-    # a frontier f this high: the incumbent is optimal (to rounding), so nothing that high is pushed either
+    # a frontier f this high: the incumbent is optimal (to rounding), so nothing that high is pushed
+    # either
     ub = stop = inc_cost * (1 - 1e-12)
     if inc_cost < math.inf:
         h_eps += 1e-9 * inc_cost
-    # (f, -depth, g, state, shards, sharded mesh dims, h, previous state, move, move cost): ties on f
-    # go deepest first; two entries never tie on (f, depth, g, state) (a state is pushed again only
-    # for a strictly lower g)
-    heap = [(h0 + (bshare if h0 > h_eps else 0.0), 0, 0.0, start, start_shards, start_mask, h0, None, None, 0.0)]
+    # (f, -depth, g, state, shards, sharded mesh dims, h, previous state, move, move cost): ties on
+    # f go deepest first; two entries never tie on (f, depth, g, state) (a state is pushed again
+    # only for a strictly lower g)
+    heap = [
+        (
+            h0 + (bshare if h0 > h_eps else 0.0),
+            0,
+            0.0,
+            start,
+            start_shards,
+            start_mask,
+            h0,
+            None,
+            None,
+            0.0,
+        )
+    ]
     push_heap, pop_heap, inf = heapq.heappush, heapq.heappop, math.inf
     while heap:
         f, depth, gcost, state, shards, sharded, h, prev, pmove, pcost = pop_heap(heap)
@@ -62,7 +77,9 @@ def solve(P: Problem):
         if state == goal:
             return _unwind(parent, state, gcost, pk.unpack)
         depth -= 1
-        for new_state, step_cost, new_shards, new_mask, dh, move in expand(state, gcost, h, shards, sharded, ub):
+        for new_state, step_cost, new_shards, new_mask, dh, move in expand(
+            state, gcost, h, shards, sharded, ub
+        ):
             ng = gcost + step_cost
             nh = h + dh
             if new_state == goal:
@@ -71,8 +88,21 @@ def solve(P: Problem):
                     ub = ng
             if ng < best.get(new_state, inf) - 1e-9:
                 best[new_state] = ng
-                push_heap(heap, (ng + nh + (bshare if nh > h_eps else 0.0), depth, ng, new_state, new_shards,
-                                 new_mask, nh, state, move, step_cost))
+                push_heap(
+                    heap,
+                    (
+                        ng + nh + (bshare if nh > h_eps else 0.0),
+                        depth,
+                        ng,
+                        new_state,
+                        new_shards,
+                        new_mask,
+                        nh,
+                        state,
+                        move,
+                        step_cost,
+                    ),
+                )
     if inc_cost < inf:  # everything else was dearer: the incumbent it is
         return inc_cost, [(Move._make(mv), c) for mv, c in inc_moves], replay(P, inc_moves)
     raise ValueError("no redistribution path exists")  # unreachable for valid specs
@@ -90,9 +120,14 @@ def incumbent(P: Problem) -> tuple[float, list]:
         c, mv = direct_plan(P)
         if c < inc_cost:
             inc_cost, inc_moves = c, mv
-    if P.even_only and not all(levels_divide(P.shape[d], st, P.k) for lv in (P.src_levels, P.dst_levels)
-                               for d, st in enumerate(lv)):
-        inc_cost = math.inf  # the simple plans pass only prefixes of these stacks: even only if both ends are
+    if P.even_only and not all(
+        levels_divide(P.shape[d], st, P.k)
+        for lv in (P.src_levels, P.dst_levels)
+        for d, st in enumerate(lv)
+    ):
+        inc_cost = (
+            math.inf
+        )  # the simple plans pass only prefixes of these stacks: even only if both ends are
     return inc_cost, inc_moves
 
 
@@ -112,8 +147,8 @@ def _unwind(parent, state, total, unpack):
 
 def direct_plan(P: Problem) -> tuple[float, list]:
     """A simple valid plan, as an upper bound and incumbent: reduce what must be reduced
-    (reduce-scatter where that extends the target's stack, else all-reduce), gather every level above
-    the common prefix with the target, then shard (free) into the target's order and make dims
+    (reduce-scatter where that extends the target's stack, else all-reduce), gather every level
+    above the common prefix with the target, then shard (free) into the target's order and make dims
     partial.  Returns (cost, [(move tuple, cost), ...]); ``replay`` gives its states."""
     k = P.k
     stacks = [list(st) for st in P.src_levels]
@@ -134,7 +169,7 @@ def direct_plan(P: Problem) -> tuple[float, list]:
         where = P.dst_where.get(m)
         if where is not None:
             d, sf = where
-            if tuple(stacks[d]) + ((m, sf),) == tgt[d][:len(stacks[d]) + 1]:
+            if tuple(stacks[d]) + ((m, sf),) == tgt[d][: len(stacks[d]) + 1]:
                 c = tab.rs_l[m] + tab.rs_f[m] * n
                 moves.append(((RS, m, None, d, sf), c))
                 cost += c
@@ -162,14 +197,14 @@ def _finish(P: Problem, stacks, pb, moves):
     """Free moves that end a simple plan: push the target's missing levels in its order, then make
     the target's partial dims partial (what ``solve`` allows only once the stacks are in place)."""
     for d, (st, t) in enumerate(zip(stacks, P.dst_levels)):
-        for m, sf in t[len(st):]:
+        for m, sf in t[len(st) :]:
             moves.append(((SHARD, m, None, d, sf), 0.0))
     for m in range(P.M):
         if P.dst_pmask >> m & 1 and not pb >> m & 1:
             moves.append(((MAKE_PARTIAL, m, None, None, 1), 0.0))
 
 
-def replay(P: Problem, moves) -> list:
+def replay(P: Problem, moves: Sequence) -> list:
     """The states ``(stacks, pa, pb)`` a simple plan passes, from the source to the target."""
     stacks = [tuple(st) for st in P.src_levels]
     pa, pb = P.start_pa, P.start_pb
@@ -192,8 +227,8 @@ def placing_plan(P: Problem) -> tuple[float, list]:
     """Another simple valid plan, often far cheaper than ``direct_plan``: place target levels
     as early as they can go (free pushes, then reduce-scatters onto the target's stacks), and move a
     level that must leave its stack straight to its target place with one all-to-all when that place
-    is next in line, gathering it otherwise.  Every state it passes is a prefix of the source's or the
-    target's stacks, so it is valid under ``even_only`` too; a tighter upper bound prunes more.
+    is next in line, gathering it otherwise.  Every state it passes is a prefix of the source's or
+    the target's stacks, so it is valid under ``even_only`` too; a tighter upper bound prunes more.
     (cost, moves) as ``direct_plan``; cost inf where it gets stuck."""
     k, tgt, T = P.k, P.dst_levels, P.T
     stacks = [list(st) for st in P.src_levels]
@@ -257,7 +292,10 @@ def placing_plan(P: Problem) -> tuple[float, list]:
         else:
             break
     if any(len(st) != len(t) or n != len(t) for st, t, n in zip(stacks, tgt, keep)):
-        return math.inf, moves  # stuck (a level whose place never frees up): no bound from this plan
+        return (
+            math.inf,
+            moves,
+        )  # stuck (a level whose place never frees up): no bound from this plan
     for m in range(P.M):  # partial dims the target does not keep: all-reduce
         if (pa | pb) >> m & 1 and not (pb & keep_p) >> m & 1:
             c = tab.ar_l[m] + tab.ar_f[m] * g / shards

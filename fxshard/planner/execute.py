@@ -20,6 +20,7 @@ import math
 from functools import lru_cache
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch import c10d, flattened_group_name, per_rank
 from ..core.spec import level_positions, levels_divide, local_extent
@@ -33,7 +34,7 @@ class MeshGroups:
     """Process-group names of a ``DeviceMesh``: ``groups[m]`` for mesh dim ``m``, ``groups[(a, b)]``
     for the flattened group over several dims (created on first use, cached by DeviceMesh)."""
 
-    def __init__(self, device_mesh):
+    def __init__(self, device_mesh: DeviceMesh):
         self.device_mesh = device_mesh
 
     def __getitem__(self, key):
@@ -42,19 +43,21 @@ class MeshGroups:
             return dm.get_group(key).group_name
         names = dm.mesh_dim_names
         if names is None:
-            raise ValueError("a fused collective over several mesh dims needs a DeviceMesh with mesh_dim_names")
+            raise ValueError(
+                "a fused collective over several mesh dims needs a DeviceMesh with mesh_dim_names"
+            )
         return flattened_group_name(dm, [names[m] for m in key])
 
     def __len__(self):
         return self.device_mesh.ndim
 
 
-def group_names(device_mesh) -> MeshGroups:
+def group_names(device_mesh: DeviceMesh) -> MeshGroups:
     """The process-group names of a ``DeviceMesh`` (per mesh dim, and flattened groups)."""
     return MeshGroups(device_mesh)
 
 
-def mesh_coordinate(device_mesh):
+def mesh_coordinate(device_mesh: DeviceMesh) -> tuple:
     """This rank's coordinate (per-rank symbolic under ``LocalTensorMode``)."""
     c = device_mesh.get_coordinate()
     if c is None:
@@ -62,12 +65,14 @@ def mesh_coordinate(device_mesh):
     return tuple(c)
 
 
-def execute_plan(plan: RedistributePlan, local: torch.Tensor, groups, coord) -> torch.Tensor:
+def execute_plan(
+    plan: RedistributePlan, local: torch.Tensor, groups: MeshGroups, coord: tuple | torch.Tensor
+) -> torch.Tensor:
     """Apply every step of ``plan`` to ``local`` (this rank's shard of ``plan.src``).
 
     ``groups[m]`` is the process-group name of mesh dim ``m`` (``groups[(a, b)]`` of the flattened
-    group of several dims, for fused steps); ``coord`` is this rank's mesh coordinate: a tuple of ints
-    (or per-rank SymInts) eagerly, an int64 tensor when tracing.
+    group of several dims, for fused steps); ``coord`` is this rank's mesh coordinate: a tuple of
+    ints (or per-rank SymInts) eagerly, an int64 tensor when tracing.
     """
     mesh_shape = plan.src.mesh.shape
     if isinstance(coord, torch.Tensor):
@@ -124,9 +129,9 @@ def execute_plan(plan: RedistributePlan, local: torch.Tensor, groups, coord) -> 
 
 @lru_cache(maxsize=8192)
 def member_positions(U: int, levels: tuple, mesh_shape: tuple) -> tuple[tuple[int, ...], ...]:
-    """Positions (of an extent of U) each member of the group over the levels' mesh dims keeps, after
-    the levels are applied in order.  Members are numbered row-major over the sorted mesh dims, the
-    rank order of DeviceMesh's (flattened) groups."""
+    """Positions (of an extent of U) each member of the group over the levels' mesh dims keeps,
+    after the levels are applied in order.  Members are numbered row-major over the sorted mesh
+    dims, the rank order of DeviceMesh's (flattened) groups."""
     dims = sorted(m for m, _ in levels)
     ks = [mesh_shape[m] for m in dims]
     out = []
@@ -143,7 +148,8 @@ def member_positions(U: int, levels: tuple, mesh_shape: tuple) -> tuple[tuple[in
 
 
 def _member_index(coord, levels, mesh_shape):
-    """This rank's member number in the group of the levels' mesh dims (int, or tensor if traced)."""
+    """This rank's member number in the group of the levels' mesh dims (int, or tensor if
+    traced)."""
     r = 0
     for m in sorted(m for m, _ in levels):
         r = r * mesh_shape[m] + coord[m]
@@ -156,13 +162,16 @@ def _check_traceable(plan: RedistributePlan):
         for n, lv in zip(plan.src.shape, levels):
             if not levels_divide(n, lv, mesh.shape):
                 raise ValueError(
-                    f"cannot trace a rank-agnostic redistribution {plan.src} -> {plan.dst} of shape "
+                    f"cannot trace a rank-agnostic redistribution {plan.src} -> {plan.dst} of "
+                    "shape "
                     f"{plan.src.shape}: shards are uneven, so local shapes differ by rank; run it "
-                    f"eagerly (per-rank shapes) or pad the tensor to a multiple of the mesh size")
+                    f"eagerly (per-rank shapes) or pad the tensor to a multiple of the mesh size"
+                )
 
 
 # ---- rank-dependent selection --------------------------------------------------------------------
 # Under tracing the coordinate is a tensor and every rank-dependent choice is a table lookup.
+
 
 def _traced(coord) -> bool:
     return isinstance(coord, torch.Tensor)
@@ -188,13 +197,18 @@ def _is_identity(idx) -> bool:
 
 
 def _take(x, dim, pos):
-    if len(pos) == 0 or pos[-1] - pos[0] + 1 == len(pos) and pos == list(range(pos[0], pos[-1] + 1)):
+    if (
+        len(pos) == 0
+        or pos[-1] - pos[0] + 1 == len(pos)
+        and pos == list(range(pos[0], pos[-1] + 1))
+    ):
         return x.narrow(dim, pos[0] if pos else 0, len(pos))
     return x.index_select(dim, torch.tensor(pos, dtype=torch.long, device=x.device))
 
 
 def _with_zero_slot(x, dim):
-    """``x`` with one zero slice appended along ``dim``: index ``x.size(dim)`` then means padding."""
+    """``x`` with one zero slice appended along ``dim``: index ``x.size(dim)`` then means
+    padding."""
     shape = list(x.shape)
     shape[dim] = 1
     return torch.cat([x, x.new_zeros(shape)], dim)
@@ -209,6 +223,7 @@ def _pad_to(x, dim, size):
 
 
 # ---- local moves ---------------------------------------------------------------------------------
+
 
 @per_rank
 def _shard_local(x, coord, m, k, d, sf):
@@ -226,6 +241,7 @@ def _keep_on_coord0(x, coord, m):
 
 
 # ---- all-gather: pad, gather on dim 0, undo padding / striding -----------------------------------
+
 
 def _gather_index(pos, P):
     """Index into k stacked chunks of P producing the group's extent in natural order."""
@@ -253,6 +269,7 @@ def _ag_unpack(out, coord, d, levels, ext):
 
 # ---- reduce-scatter: lay out each destination's positions contiguously, padded -------------------
 
+
 @per_rank
 def _rs_pack(x, d, levels, mesh_shape):
     pos = member_positions(x.size(d), levels, mesh_shape)
@@ -261,7 +278,9 @@ def _rs_pack(x, d, levels, mesh_shape):
     flat = [u for p in pos for u in p]
     y = x.movedim(d, 0)
     if P * k == x.size(d) and all(len(p) == P for p in pos):
-        return (y if _is_identity(flat) else y.index_select(0, torch.tensor(flat, device=x.device))).contiguous()
+        return (
+            y if _is_identity(flat) else y.index_select(0, torch.tensor(flat, device=x.device))
+        ).contiguous()
     return torch.cat([_pad_to(_take(y, 0, list(p)), 0, P) for p in pos], 0).contiguous()
 
 
@@ -273,11 +292,13 @@ def _rs_unpack(out, coord, d, levels, U, mesh_shape):
     return out.narrow(0, 0, n).movedim(0, d).contiguous()
 
 
-# ---- all-to-all between two tensor dims ------------------------------------------------------------
+# ---- all-to-all between two tensor dims ----------------------------------------------------------
+
 
 @per_rank
 def _a2a_pack(x, coord, d, d2, levels, new, ext):
-    """Slab s = what destination s keeps along d2, padded to uniform size; stacked on a new dim 0."""
+    """Slab s = what destination s keeps along d2, padded to uniform size; stacked on a new dim
+    0."""
     pos = member_positions(_extent(coord, ext), levels, ext[2])
     pos2 = member_positions(x.size(d2), new, ext[2])
     P1, P2 = max(len(p) for p in pos), max(len(p) for p in pos2)
@@ -300,7 +321,8 @@ def _a2a_unpack(out, coord, d, d2, levels, new, ext, ext2):
     return cat.contiguous()
 
 
-# ---- all-to-all within one tensor dim (change of split factor, e.g. _StridedShard <-> Shard) ------
+# ---- all-to-all within one tensor dim (change of split factor, e.g. _StridedShard <-> Shard) -----
+
 
 def _regroup_tables(U, k, sf, sf2):
     pos = level_positions(U, k, sf)  # who holds what now
@@ -310,7 +332,9 @@ def _regroup_tables(U, k, sf, sf2):
         for t, u in enumerate(p):
             where[u] = (r, t)
     # send[c][s]: my local positions (holding coordinate c) that destination s needs, in s's order
-    send = [[[where[u][1] for u in pos2[s] if where[u][0] == c] for s in range(k)] for c in range(k)]
+    send = [
+        [[where[u][1] for u in pos2[s] if where[u][0] == c] for s in range(k)] for c in range(k)
+    ]
     Q = max(1, max(len(v) for row in send for v in row))
     return pos, pos2, send, Q
 
@@ -320,7 +344,9 @@ def _regroup_pack(x, coord, m, d, k, sf, sf2, ext):
     U = _extent(coord, ext)
     pos, _, send, Q = _regroup_tables(U, k, sf, sf2)
     slot = len(pos[0]) if _traced(coord) else x.size(d)  # index of the zero slot
-    rows = [[i for s in range(k) for i in send[c][s] + [slot] * (Q - len(send[c][s]))] for c in range(k)]
+    rows = [
+        [i for s in range(k) for i in send[c][s] + [slot] * (Q - len(send[c][s]))] for c in range(k)
+    ]
     xs = _with_zero_slot(x, d)
     idx = _pick(rows, coord[m], x.device)
     y = xs.index_select(d, idx).movedim(d, 0)

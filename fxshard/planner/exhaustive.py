@@ -10,29 +10,51 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..core.cost import CostModel
-from ..core.spec import ShardingSpec
+from ..core.cost import CostModel, CostModelLike
+from ..core.spec import Levels, ShardingSpec
 from .moves import Packing, expander, state_key
 from .plan import _partials, _plan
 from .problem import Problem
 
 
-def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stacks, target_pmask: int, ops: dict,
-              global_bytes, shape, even_only=False, fuse=False, graph: dict | None = None) -> dict:
+def distances(
+    cost_model: CostModelLike,
+    mesh_shape: tuple[int, ...],
+    src_levels: Levels,
+    src_partial: dict,
+    target_stacks: Iterable[Levels],
+    target_pmask: int,
+    ops: dict,
+    global_bytes: float,
+    shape: tuple[int, ...],
+    even_only: bool = False,
+    fuse: bool = False,
+    graph: dict | None = None,
+) -> dict:
     """Min cost from one source to every reachable state, over exactly the moves ``solve`` uses:
     ``{(shard stacks, partial mask): cost}``.  One run replaces a plan per target: the automatic
-    planner asks for every pair among a value's candidate placements.  ``ops``: the reduce op of each
-    mesh dim the targets hold partial (``target_pmask``); a source partial dim with that op may stay,
-    any other must be reduced (as ``solve`` treats them).  ``target_stacks`` are the stacks at which
-    a replicated dim may be made partial (the targets holding partial dims).  Plain Dijkstra: no
-    heuristic, no scratch-dim pruning (every target is a goal)."""
+    planner asks for every pair among a value's candidate placements.  ``ops``: the reduce op of
+    each mesh dim the targets hold partial (``target_pmask``); a source partial dim with that op may
+    stay, any other must be reduced (as ``solve`` treats them).  ``target_stacks`` are the stacks at
+    which a replicated dim may be made partial (the targets holding partial dims).  Plain Dijkstra:
+    no heuristic, no scratch-dim pruning (every target is a goal)."""
     T = len(src_levels)
-    P = Problem(cost_model, mesh_shape, src_levels, tuple(() for _ in range(T)), src_partial, dict(ops),
-                global_bytes, shape, even_only, fuse)
+    P = Problem(
+        cost_model,
+        mesh_shape,
+        src_levels,
+        tuple(() for _ in range(T)),
+        src_partial,
+        dict(ops),
+        global_bytes,
+        shape,
+        even_only,
+        fuse,
+    )
     P.dst_pmask = target_pmask
     keep = sum(1 << m for m, o in src_partial.items() if ops.get(m) == o)
     P.start_pa, P.start_pb = sum(1 << m for m in src_partial) & ~keep, keep
@@ -41,9 +63,9 @@ def distances(cost_model, mesh_shape, src_levels, src_partial: dict, target_stac
     return dijkstra(P, target_stacks, graph)
 
 
-def dijkstra(P: Problem, target_stacks, graph: dict | None = None) -> dict:
-    """``{(stacks, kept partial mask): min cost}`` of every state with nothing left to reduce that is
-    reachable from ``P``'s source.  ``graph``: filled with every expanded state's moves,
+def dijkstra(P: Problem, target_stacks: Iterable[Levels], graph: dict | None = None) -> dict:
+    """``{(stacks, kept partial mask): min cost}`` of every state with nothing left to reduce that
+    is reachable from ``P``'s source.  ``graph``: filled with every expanded state's moves,
     ``{state: [(state, cost), ...]}`` in the packed form ``state_key`` gives; states already in it
     (from an earlier run over the same moves, which recorded everything reachable from them too)
     are not expanded again, so the costs returned are complete only for a fresh graph."""
@@ -59,7 +81,9 @@ def dijkstra(P: Problem, target_stacks, graph: dict | None = None) -> dict:
             mask |= 1 << m
     best = {start: 0.0}
     # the recording run keeps every move (nothing pruned by the costs known so far)
-    expand = expander(P, pk, best.get if graph is None else {}.get, {pk.pack(st, 0, 0) for st in target_stacks})
+    expand = expander(
+        P, pk, best.get if graph is None else {}.get, {pk.pack(st, 0, 0) for st in target_stacks}
+    )
     heap = [(0.0, start, shards, mask)]
     inf = math.inf
     while heap:
@@ -69,7 +93,9 @@ def dijkstra(P: Problem, target_stacks, graph: dict | None = None) -> dict:
         if graph is not None and state in graph:
             continue  # recorded by an earlier run, with everything reachable from it
         nbrs = expand(state, gcost, 0.0, shards, sharded, inf)
-        if graph is not None:  # packed states: plain levels pack alike in every search (see state_key)
+        if (
+            graph is not None
+        ):  # packed states: plain levels pack alike in every search (see state_key)
             graph[state] = [(x[0], x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, _dh, _move in nbrs:
             ng = gcost + step_cost
@@ -114,7 +140,9 @@ def _plain(spec: ShardingSpec) -> bool:
 def _check_group(src, dsts):
     for d in dsts:
         if d.mesh.shape != src.mesh.shape or d.shape != src.shape:
-            raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {d.mesh}/{d.shape}")
+            raise ValueError(
+                f"cannot redistribute between {src.mesh}/{src.shape} and {d.mesh}/{d.shape}"
+            )
 
 
 def _fill_by_plan(out, src, dsts, cm, even_only, fuse):
@@ -127,9 +155,15 @@ def _fill_by_plan(out, src, dsts, cm, even_only, fuse):
     return out
 
 
-def costs_from(src: ShardingSpec, dsts: Sequence[ShardingSpec], cost_model: CostModel | None = None,
-               even_only: bool = False, fuse: bool = False) -> list[float]:
-    """``[plan_between(src, d).cost for d in dsts]``, from one search over every state reachable from
+def costs_from(
+    src: ShardingSpec,
+    dsts: Sequence[ShardingSpec],
+    cost_model: CostModel | None = None,
+    even_only: bool = False,
+    fuse: bool = False,
+) -> list[float]:
+    """``[plan_between(src, d).cost for d in dsts]``, from one search over every state reachable
+    from
     ``src`` (Dijkstra on the planner's own moves) per set of target reduce ops, rather than one
     search per target.  Same costs as ``plan_between``; strided shards are planned one by one, and
     targets no plan reaches (``even_only`` with no evenly sharded route) cost ``math.inf``."""
@@ -142,15 +176,30 @@ def costs_from(src: ShardingSpec, dsts: Sequence[ShardingSpec], cost_model: Cost
         for ops, members in _op_runs([parts[i] for i in idx]):
             members = [idx[j] for j in members]
             pmask, union, stacks = _run_setup(dsts, parts, members)
-            dist = distances(cm, src.mesh.shape, src.levels, _partials(src), stacks, union, ops, src.nbytes,
-                             src.shape, even_only, fuse)
+            dist = distances(
+                cm,
+                src.mesh.shape,
+                src.levels,
+                _partials(src),
+                stacks,
+                union,
+                ops,
+                src.nbytes,
+                src.shape,
+                even_only,
+                fuse,
+            )
             for i, x in pmask.items():
                 out[i] = dist.get((dsts[i].levels, x))
     return _fill_by_plan(out, src, dsts, cm, even_only, fuse)
 
 
-def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None = None, even_only: bool = False,
-                   fuse: bool = False) -> torch.Tensor:
+def pairwise_costs(
+    specs: Sequence[ShardingSpec],
+    cost_model: CostModel | None = None,
+    even_only: bool = False,
+    fuse: bool = False,
+) -> torch.Tensor:
     """``[i, j] = plan_between(specs[i], specs[j]).cost`` for specs of one value (same mesh, shape,
     dtype), all at once: the planner's state graph (the moves ``solve`` uses, recorded while
     exploring from the sources until every state reachable from any of them is expanded) is closed
@@ -176,8 +225,20 @@ def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None =
             start = state_key(specs[i].levels, sum(1 << m for m in parts[i]) & ~keep, keep, M)
             starts[i] = start
             if start not in graph:  # else: everything reachable from it is expanded already
-                distances(cm, s0.mesh.shape, specs[i].levels, parts[i], stacks, union, ops, s0.nbytes, s0.shape,
-                          even_only, fuse, graph=graph)
+                distances(
+                    cm,
+                    s0.mesh.shape,
+                    specs[i].levels,
+                    parts[i],
+                    stacks,
+                    union,
+                    ops,
+                    s0.nbytes,
+                    s0.shape,
+                    even_only,
+                    fuse,
+                    graph=graph,
+                )
         idx = {st: a for a, st in enumerate(graph)}
         N = len(idx)
         D = torch.full((N, N), math.inf, dtype=torch.float64)
@@ -195,7 +256,7 @@ def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None =
             D.view(-1).scatter_reduce_(0, flat, torch.tensor(w, dtype=torch.float64), "amin")
         D.fill_diagonal_(0.0)
         for m in range(N):  # Floyd-Warshall
-            D = torch.minimum(D, D[:, m:m + 1] + D[m:m + 1, :])
+            D = torch.minimum(D, D[:, m : m + 1] + D[m : m + 1, :])
         goals = [(j, idx.get(state_key(specs[j].levels, 0, pmask[j], M))) for j in members]
         goals = [(j, g) for j, g in goals if g is not None]
         if goals:
@@ -205,6 +266,10 @@ def pairwise_costs(specs: Sequence[ShardingSpec], cost_model: CostModel | None =
     rest = [i for i in range(n) if i not in set(plain)]
     for i in range(n) if rest else ():  # strided shards: pair by pair
         cols = list(range(n)) if i in rest else rest
-        out[i, cols] = torch.tensor(_fill_by_plan([None] * len(cols), specs[i], [specs[j] for j in cols], cm,
-                                                  even_only, fuse), dtype=torch.float64)
+        out[i, cols] = torch.tensor(
+            _fill_by_plan(
+                [None] * len(cols), specs[i], [specs[j] for j in cols], cm, even_only, fuse
+            ),
+            dtype=torch.float64,
+        )
     return out

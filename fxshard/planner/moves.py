@@ -11,11 +11,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..core.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
-from ..core.spec import levels_divide
-from .problem import A2A, AG, AR, LINEAR_OPS, MAKE_PARTIAL, RS, SHARD, Problem, _codes, _layout, _stack_masks
+from ..core.spec import Levels, levels_divide
+from .problem import (
+    A2A,
+    AG,
+    AR,
+    LINEAR_OPS,
+    MAKE_PARTIAL,
+    RS,
+    SHARD,
+    Problem,
+    _codes,
+    _layout,
+    _stack_masks,
+)
 
 _LINEAR = frozenset(LINEAR_OPS)
 
@@ -43,13 +55,13 @@ class Packing:
                 ok.add(v)
             self.prefix_ok.append(ok)
 
-    def enc(self, st) -> int:
+    def enc(self, st: tuple) -> int:
         v, B, code = 0, self.B, self.code
         for lev in st:
             v = v * B + code[lev]
         return v
 
-    def pack(self, stacks, pa: int, pb: int) -> int:
+    def pack(self, stacks: Sequence[tuple], pa: int, pb: int) -> int:
         x = pa << self.PA | pb << self.PB
         for d, st in enumerate(stacks):
             x |= self.enc(st) << self.shift[d]
@@ -68,7 +80,11 @@ class Packing:
 
     def unpack(self, x: int) -> tuple:
         wmask, shift = self.wmask, self.shift
-        return tuple(self.dec(x >> shift[d] & wmask) for d in range(self.T)), x >> self.PA & self.mmask, x >> self.PB
+        return (
+            tuple(self.dec(x >> shift[d] & wmask) for d in range(self.T)),
+            x >> self.PA & self.mmask,
+            x >> self.PB,
+        )
 
     def fits(self, d: int, v: int) -> bool:
         """The stack value ``v`` splits tensor dim ``d`` evenly (``levels_divide``)."""
@@ -97,8 +113,8 @@ def expander(P: Problem, pk: Packing, seen: Callable, targets: set[int]) -> Call
     scratch_groups, scratch_set = P.scratch_groups, P.scratch_set
     g_bytes, dst_pmask, even_only = P.g, P.dst_pmask, P.even_only
     red, lb_pb = P.red, P.lb_pb
-    # a level's bound above the target prefix (level_lb): lb_at[d][m], or two[m] where a level in the
-    # stack under it (smask: its mesh dims) is one of blk[m]
+    # a level's bound above the target prefix (level_lb): lb_at[d][m], or two[m] where a level in
+    # the stack under it (smask: its mesh dims) is one of blk[m]
     lb_at, two, blk = P.lb_at, P.two, P.blk
     smask = _stack_masks(M) if any(blk) else None
     cand_mask, glb = P.cand_mask, P.glb
@@ -135,11 +151,19 @@ def expander(P: Problem, pk: Packing, seen: Callable, targets: set[int]) -> Call
             bit = 1 << m
             rest = v // B
             popped = state - (v - rest << shift[d])
-            top_lb = 0.0 if v in prefix_ok[d] else two[m] if blk[m] and blk[m] & smask[rest] else lb_at[d][m]
+            top_lb = (
+                0.0
+                if v in prefix_ok[d]
+                else two[m]
+                if blk[m] and blk[m] & smask[rest]
+                else lb_at[d][m]
+            )
             step_cost = ag_l[m] + ag_f[m] * n
             dh = glb[mand & ~bit] - h_ag - top_lb
             if base_f + step_cost + dh <= ub and gcost + step_cost + 1e-9 < seen(popped, inf):
-                nbrs.append((popped, step_cost, shards // k[m], sharded & ~bit, dh, (AG, m, d, None, 1)))
+                nbrs.append(
+                    (popped, step_cost, shards // k[m], sharded & ~bit, dh, (AG, m, d, None, 1))
+                )
             a2a_cost = a2_l[m] + a2_f[m] * n
             if base_f + a2a_cost - top_lb > ub:
                 continue
@@ -156,12 +180,20 @@ def expander(P: Problem, pk: Packing, seen: Callable, targets: set[int]) -> Call
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if nv in prefix_ok[d2] else two[m] if blk[m] and blk[m] & smask[base] else lb_at[d2][m]
+                new_lb = (
+                    0.0
+                    if nv in prefix_ok[d2]
+                    else two[m]
+                    if blk[m] and blk[m] & smask[base]
+                    else lb_at[d2][m]
+                )
                 if base_f + a2a_cost + new_lb - top_lb > ub:
                     continue
                 ns = popped + (nv - base << shift[d2])
                 if lim < seen(ns, inf):
-                    nbrs.append((ns, a2a_cost, shards, sharded, new_lb - top_lb, (A2A, m, d, d2, sf2)))
+                    nbrs.append(
+                        (ns, a2a_cost, shards, sharded, new_lb - top_lb, (A2A, m, d, d2, sf2))
+                    )
         for m in range(M):
             bit = 1 << m
             if used & bit:
@@ -173,7 +205,9 @@ def expander(P: Problem, pk: Packing, seen: Callable, targets: set[int]) -> Call
                     old_lb, cleared = lb_pb[m], state & ~(bit << PB)
                 step_cost = ar_l[m] + ar_f[m] * n
                 if base_f + step_cost - old_lb <= ub:
-                    nbrs.append((cleared, step_cost, shards, sharded, -old_lb, (AR, m, None, None, 1)))
+                    nbrs.append(
+                        (cleared, step_cost, shards, sharded, -old_lb, (AR, m, None, None, 1))
+                    )
                 step_cost, kind, base_dh = rs_l[m] + rs_f[m] * n, RS, -old_lb
             else:
                 step_cost, kind, base_dh = 0.0, SHARD, 0.0
@@ -181,7 +215,16 @@ def expander(P: Problem, pk: Packing, seen: Callable, targets: set[int]) -> Call
                 # Making a dim partial is free and changes no size, so it can always wait until
                 # everything else is in place: only allow it there (never mixes reduce ops either).
                 if dst_pmask & bit and at_target and not pa:
-                    nbrs.append((state | bit << PB, 0.0, shards, sharded, lb_pb[m], (MAKE_PARTIAL, m, None, None, 1)))
+                    nbrs.append(
+                        (
+                            state | bit << PB,
+                            0.0,
+                            shards,
+                            sharded,
+                            lb_pb[m],
+                            (MAKE_PARTIAL, m, None, None, 1),
+                        )
+                    )
             if cand_mask & bit:  # the new level will have to be gathered
                 base_dh += glb[mand | bit] - h_ag
             if base_f + step_cost + base_dh > ub:
@@ -194,17 +237,32 @@ def expander(P: Problem, pk: Packing, seen: Callable, targets: set[int]) -> Call
                 nv = base * B + c2
                 if even_only and not fits(d2, nv):
                     continue
-                new_lb = 0.0 if nv in prefix_ok[d2] else two[m] if blk[m] and blk[m] & smask[base] else lb_at[d2][m]
+                new_lb = (
+                    0.0
+                    if nv in prefix_ok[d2]
+                    else two[m]
+                    if blk[m] and blk[m] & smask[base]
+                    else lb_at[d2][m]
+                )
                 if base_f + step_cost + base_dh + new_lb > ub:
                     continue
                 ns = cleared + (nv - base << shift[d2])
                 if lim < seen(ns, inf):
-                    nbrs.append((ns, step_cost, shards * k[m], sharded | bit, base_dh + new_lb,
-                                 (kind, m, None, d2, sf2)))
+                    nbrs.append(
+                        (
+                            ns,
+                            step_cost,
+                            shards * k[m],
+                            sharded | bit,
+                            base_dh + new_lb,
+                            (kind, m, None, d2, sf2),
+                        )
+                    )
         # fused moves need two levels on one stack or two partial dims
         if fuse and (max(vals, default=0) >= B or (pa | pb) & ((pa | pb) - 1)):
-            fused_moves(state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, empty_ok,
-                        nbrs)
+            fused_moves(
+                state, vals, pa, pb, gcost, base_f, ub, shards, sharded, mand, h_ag, empty_ok, nbrs
+            )
         return nbrs
 
     return expand
@@ -223,7 +281,7 @@ def _fused_move_generator(P: Problem, pk: Packing, seen):
     red, lb_pb, src_ops, dst_ops = P.red, P.lb_pb, P.src_ops, P.dst_ops
     B, shift, dec, fits, glb = pk.B, pk.shift, pk.dec, pk.fits, P.glb
     PA, PB = pk.PA, pk.PB
-    powers = [B ** j for j in range(M + 1)]
+    powers = [B**j for j in range(M + 1)]
     inf = math.inf
     tops: dict = {}
     slbs = [{} for _ in range(T)]
@@ -238,7 +296,13 @@ def _fused_move_generator(P: Problem, pk: Packing, seen):
             for m in dims:
                 mask |= 1 << m
                 prod *= k[m]
-            t = tops[top] = (any(sf != 1 for _, sf in levels), dims, tuple(sorted(dims)), prod, mask)
+            t = tops[top] = (
+                any(sf != 1 for _, sf in levels),
+                dims,
+                tuple(sorted(dims)),
+                prod,
+                mask,
+            )
         return t
 
     def slb(d, v):  # stack bound of stack value v on tensor dim d
@@ -270,7 +334,9 @@ def _fused_move_generator(P: Problem, pk: Packing, seen):
                 c = cost(ALL_GATHER, sdims, shards)
                 dh = glb[mand & ~tmask] - h_ag - removed
                 if base_f + c + dh <= ub and gcost + c + 1e-9 < seen(popped, inf):
-                    out.append((popped, c, shards // prod, sharded & ~tmask, dh, (AG, dims, d, None, 1)))
+                    out.append(
+                        (popped, c, shards // prod, sharded & ~tmask, dh, (AG, dims, d, None, 1))
+                    )
                 c = cost(ALL_TO_ALL, sdims, shards)
                 if base_f + c - removed > ub:
                     continue
@@ -294,7 +360,8 @@ def _fused_move_generator(P: Problem, pk: Packing, seen):
         for r in range(2, len(dims_all) + 1):
             Br = powers[r]
             for subset in itertools.combinations(dims_all, r):
-                # a dim still to reduce holds the source's op; one kept or made partial, the target's
+                # a dim still to reduce holds the source's op; one kept or made partial, the
+                # target's
                 ops = {src_ops[m] if pa >> m & 1 else dst_ops[m] for m in subset}
                 if len(ops) > 1 and not ops <= _LINEAR:
                     continue  # one collective reduces with one op (sum and avg: sum, then scale)
@@ -329,12 +396,14 @@ def _fused_move_generator(P: Problem, pk: Packing, seen):
                         dh = grown + slb(d2, nv) - slb(d2, base)
                         ns = cleared + ((nv - base) << shift[d2])
                         if base_f + c + dh <= ub and gcost + c + 1e-9 < seen(ns, inf):
-                            out.append((ns, c, shards * prod, sharded | bits, dh, (RS, order, None, d2, 1)))
+                            out.append(
+                                (ns, c, shards * prod, sharded | bits, dh, (RS, order, None, d2, 1))
+                            )
 
     return moves
 
 
-def state_key(levels, pa: int, pb: int, mesh_ndim: int) -> int:
+def state_key(levels: Levels, pa: int, pb: int, mesh_ndim: int) -> int:
     """A state packed as ``solve`` packs it when every level is a plain shard: per tensor dim its
     stack as digits base ``mesh_ndim + 1`` (mesh dim m is digit m + 1, innermost lowest) in a field
     of its own, then the two partial masks."""

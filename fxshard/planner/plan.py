@@ -13,16 +13,23 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch import Partial, Replicate, Shard, StridedShard, placement_kind
-from ..core.cost import CostModel
+from ..core.cost import CostModel, CostModelLike
 from ..core.mesh import MeshSpec
 from ..core.spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
 from .astar import solve
 from .problem import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem
 
-_COLLECTIVE = {AG: "all_gather", A2A: "all_to_all", AR: "all_reduce", RS: "reduce_scatter",
-               SHARD: None, MAKE_PARTIAL: None}
+_COLLECTIVE = {
+    AG: "all_gather",
+    A2A: "all_to_all",
+    AR: "all_reduce",
+    RS: "reduce_scatter",
+    SHARD: None,
+    MAKE_PARTIAL: None,
+}
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,8 @@ class Step:
     def __str__(self) -> str:
         dims = ",".join(map(str, self.mesh_dims))
         what = self.collective or "local"
-        return f"[{dims}] {placement_str(self.src)} -> {placement_str(self.dst)} ({what}, {self.cost:.2f} us)"
+        src, dst = placement_str(self.src), placement_str(self.dst)
+        return f"[{dims}] {src} -> {dst} ({what}, {self.cost:.2f} us)"
 
 
 @dataclass(frozen=True)
@@ -81,13 +89,23 @@ class RedistributePlan:
     def then(self, other: RedistributePlan) -> RedistributePlan:
         """This plan followed by ``other`` (which must start where this one ends)."""
         if other.src.levels != self.dst.levels or other.partials[0] != self.partials[-1]:
-            raise ValueError(f"cannot chain {self} with {other}: it starts at {other.src}, not {self.dst}")
-        return RedistributePlan(self.src, other.dst, self.steps + other.steps, self.levels + other.levels[1:],
-                                self.partials + other.partials[1:], self.cost + other.cost)
+            raise ValueError(
+                f"cannot chain {self} with {other}: it starts at {other.src}, not {self.dst}"
+            )
+        return RedistributePlan(
+            self.src,
+            other.dst,
+            self.steps + other.steps,
+            self.levels + other.levels[1:],
+            self.partials + other.partials[1:],
+            self.cost + other.cost,
+        )
 
     def __str__(self) -> str:
-        path = " -> ".join(placements_str(levels_to_placements(lv, part, self.src.mesh.ndim), lv)
-                           for lv, part in zip(self.levels, self.partials))
+        path = " -> ".join(
+            placements_str(levels_to_placements(lv, part, self.src.mesh.ndim), lv)
+            for lv, part in zip(self.levels, self.partials)
+        )
         return f"{path}  ({self.cost:.2f} us)"
 
 
@@ -101,15 +119,15 @@ def clear_plan_cache() -> None:
 
 
 def plan_redistribute(
-    mesh,
+    mesh: MeshSpec | DeviceMesh,
     src: Sequence,
     dst: Sequence,
     shape: Sequence[int],
     *,
     dtype: torch.dtype = torch.float32,
-    src_order=None,
-    dst_order=None,
-    cost_model: CostModel | None = None,
+    src_order: dict | None = None,
+    dst_order: dict | None = None,
+    cost_model: CostModelLike | None = None,
     cache: bool = True,
     even_only: bool = False,
     multi_dim_collectives: bool = False,
@@ -126,31 +144,47 @@ def plan_redistribute(
     afresh (no memoised plan or spec is used).
     """
     if fuse is not None:
-        warnings.warn("plan_redistribute(fuse=) is deprecated: it is called multi_dim_collectives=", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "plan_redistribute(fuse=) is deprecated: it is called multi_dim_collectives=",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         multi_dim_collectives = bool(fuse)
     mesh = MeshSpec.from_device_mesh(mesh)
     shape = tuple(int(s) for s in shape)
-    s = ShardingSpec.make(mesh, src, shape, dtype, src_order, what="plan_redistribute src", cache=cache)
-    d = ShardingSpec.make(mesh, dst, shape, dtype, dst_order, what="plan_redistribute dst", cache=cache)
+    s = ShardingSpec.make(
+        mesh, src, shape, dtype, src_order, what="plan_redistribute src", cache=cache
+    )
+    d = ShardingSpec.make(
+        mesh, dst, shape, dtype, dst_order, what="plan_redistribute dst", cache=cache
+    )
     cm = cost_model or CostModel(mesh)
     if cm.mesh.shape != mesh.shape:
         raise ValueError(f"cost model is for mesh {cm.mesh.shape}, plan is on mesh {mesh.shape}")
     return (_plan_cached if cache else _plan)(s, d, cm, even_only, multi_dim_collectives)
 
 
-def plan_between(src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | None = None,
-                 cache: bool = True, even_only: bool = False, fuse: bool = False) -> RedistributePlan:
+def plan_between(
+    src: ShardingSpec,
+    dst: ShardingSpec,
+    cost_model: CostModel | None = None,
+    cache: bool = True,
+    even_only: bool = False,
+    fuse: bool = False,
+) -> RedistributePlan:
     """Plan between two ``ShardingSpec``s of the same value."""
     if src.mesh.shape != dst.mesh.shape or src.shape != dst.shape:
-        raise ValueError(f"cannot redistribute between {src.mesh}/{src.shape} and {dst.mesh}/{dst.shape}")
+        raise ValueError(
+            f"cannot redistribute between {src.mesh}/{src.shape} and {dst.mesh}/{dst.shape}"
+        )
     cm = cost_model or CostModel(src.mesh)
     return (_plan_cached if cache else _plan)(src, dst, cm, even_only, fuse)
 
 
 @lru_cache(maxsize=16384)
-def _plan_cached(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool,
-                 fuse: bool = False) -> RedistributePlan:
+def _plan_cached(
+    src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool, fuse: bool = False
+) -> RedistributePlan:
     return _plan(src, dst, cm, even_only, fuse)
 
 
@@ -199,17 +233,22 @@ def _step(dims, before, after, collective, cost, move) -> Step:
     """``Step(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a plan makes
     several per call; this is a third of their cost)."""
     st = _new(Step)
-    st.__dict__.update(mesh_dims=dims, src=before, dst=after, collective=collective, cost=cost, move=move)
+    st.__dict__.update(
+        mesh_dims=dims, src=before, dst=after, collective=collective, cost=cost, move=move
+    )
     return st
 
 
-def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False,
-          fuse: bool = False) -> RedistributePlan:
+def _plan(
+    src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool = False, fuse: bool = False
+) -> RedistributePlan:
     mesh = src.mesh
     sp, dp = _partials(src), _partials(dst)
     if src.levels == dst.levels and sp == dp:
         return RedistributePlan(src, dst, (), (src.levels,), (sp,), 0.0)
-    problem = Problem(cm, mesh.shape, src.levels, dst.levels, sp, dp, src.nbytes, src.shape, even_only, fuse)
+    problem = Problem(
+        cm, mesh.shape, src.levels, dst.levels, sp, dp, src.nbytes, src.shape, even_only, fuse
+    )
     total, moves, states = solve(problem)
     steps, levels, partials = [], [src.levels], [sp]
     part = sp
@@ -250,6 +289,12 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, cm: CostModel, even_only: bool =
         levels.append(stacks)
         partials.append(part)
     plan = _new(RedistributePlan)  # as _step: no per-field object.__setattr__
-    plan.__dict__.update(src=src, dst=dst, steps=tuple(steps), levels=tuple(levels), partials=tuple(partials),
-                         cost=total)
+    plan.__dict__.update(
+        src=src,
+        dst=dst,
+        steps=tuple(steps),
+        levels=tuple(levels),
+        partials=tuple(partials),
+        cost=total,
+    )
     return plan

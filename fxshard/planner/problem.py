@@ -29,16 +29,33 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..core.cost import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, planner_tables
+from ..core.cost import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    CostModelLike,
+    planner_tables,
+)
+from ..core.spec import Levels
 
 # Move kinds (also the executor's step kinds).
-AG, A2A, SHARD, MAKE_PARTIAL, AR, RS = "all_gather", "all_to_all", "shard", "partial", "all_reduce", "reduce_scatter"
+AG, A2A, SHARD, MAKE_PARTIAL, AR, RS = (
+    "all_gather",
+    "all_to_all",
+    "shard",
+    "partial",
+    "all_reduce",
+    "reduce_scatter",
+)
 LINEAR_OPS = ("sum", "avg")
 
 
 class Move(NamedTuple):
     kind: str
-    mesh_dim: int | tuple[int, ...]  # a tuple for a fused move: the levels' mesh dims, innermost last
+    mesh_dim: (
+        int | tuple[int, ...]
+    )  # a tuple for a fused move: the levels' mesh dims, innermost last
     src_dim: int | None  # tensor dim the level leaves (AG, A2A)
     dst_dim: int | None  # tensor dim the level joins (A2A, SHARD, RS)
     sf: int = 1  # split factor of the level that joins
@@ -57,8 +74,10 @@ def _is_cost_model(cm) -> bool:
     from ..core.cost import CostModel
 
     t = type(cm)
-    return isinstance(cm, CostModel) and all(getattr(t, f) is getattr(CostModel, f)
-                                             for f in ("collective", "group", "latency", "byte_factor"))
+    return isinstance(cm, CostModel) and all(
+        getattr(t, f) is getattr(CostModel, f)
+        for f in ("collective", "group", "latency", "byte_factor")
+    )
 
 
 class _Tables:
@@ -68,13 +87,16 @@ class _Tables:
         self.lat, self.fac = planner_tables(cost_model)
         M = cost_model.mesh.ndim
         self.base_share = 0.0
-        # The fused bounds rest on CostModel's formulas (a flattened group pays the base latency once,
-        # at least its dims' hops added up, at its worst link).  Another cost model says nothing about
-        # its fused costs, so fused plans on it are searched without a bound (plain Dijkstra).
+        # The fused bounds rest on CostModel's formulas (a flattened group pays the base latency
+        # once, at least its dims' hops added up, at its worst link).  Another cost model says
+        # nothing about its fused costs, so fused plans on it are searched without a bound (plain
+        # Dijkstra).
         self.bounded = not fuse or _is_cost_model(cost_model)
         if fuse and self.bounded:
-            self.base_share = min(cost_model.base_latency_us,
-                                  min((v for v in self.lat.values() if v > 0), default=0.0))
+            self.base_share = min(
+                cost_model.base_latency_us,
+                min((v for v in self.lat.values() if v > 0), default=0.0),
+            )
             self.lat_lb = {key: max(0.0, v - self.base_share) for key, v in self.lat.items()}
         else:
             self.lat_lb = self.lat
@@ -88,7 +110,9 @@ class _Tables:
         self.ar_f = [fac[ALL_REDUCE, m] for m in range(M)]
         self.rs_l = [lat[REDUCE_SCATTER, m] for m in range(M)]
         self.rs_f = [fac[REDUCE_SCATTER, m] for m in range(M)]
-        lb = self.lat_lb  # latencies in the heuristic's bounds (fused: less the shared base latency)
+        lb = (
+            self.lat_lb
+        )  # latencies in the heuristic's bounds (fused: less the shared base latency)
         self.ag_lb = [lb[ALL_GATHER, m] for m in range(M)]
         self.a2_lb = [lb[ALL_TO_ALL, m] for m in range(M)]
         self.ar_lb = [lb[ALL_REDUCE, m] for m in range(M)]
@@ -111,7 +135,8 @@ def _tables(cost_model, fuse) -> _Tables:
 def _gather_table(M, k, fac, lat, base, cand) -> list[float]:
     """The gather bound for every mask of sharded mesh dims (bits outside ``cand`` are ignored):
     the cheapest order to gather the cand dims sharded now, plus any extra cand dims pushed first if
-    that lowers it; a gather of x_i runs at >= ``base`` / (prod k of the cand dims gathered after it)."""
+    that lowers it; a gather of x_i runs at >= ``base`` / (prod k of the cand dims gathered after
+    it)."""
     size = 1 << M
     total = [0.0] * size
     prod = [1] * size
@@ -152,8 +177,19 @@ def _gather_table(M, k, fac, lat, base, cand) -> list[float]:
 class Problem:
     """Everything the search needs, precomputed once per plan."""
 
-    def __init__(self, cost_model, mesh_shape, src_levels, dst_levels, src_partial: dict, dst_partial: dict,
-                 global_bytes, shape=None, even_only=False, fuse=False):
+    def __init__(
+        self,
+        cost_model: CostModelLike,
+        mesh_shape: tuple[int, ...],
+        src_levels: Levels,
+        dst_levels: Levels,
+        src_partial: dict,
+        dst_partial: dict,
+        global_bytes: float,
+        shape: tuple[int, ...] | None = None,
+        even_only: bool = False,
+        fuse: bool = False,
+    ):
         self.k = mesh_shape
         self.M = len(mesh_shape)
         self.T = len(src_levels)
@@ -185,7 +221,8 @@ class Problem:
             self.drop_bounds()
 
     def _targets(self) -> bool:
-        """Where the target puts each mesh dim, and the scratch dims; whether any level is strided."""
+        """Where the target puts each mesh dim, and the scratch dims; whether any level is
+        strided."""
         T, shape, dst_levels, src_levels = self.T, self.shape, self.dst_levels, self.src_levels
         # dst location of each mesh dim
         self.dst_where = dst_where = {}
@@ -228,8 +265,8 @@ class Problem:
         ar_lb, ar_f, rs_lb, rs_f = tab.ar_lb, tab.ar_f, tab.rs_lb, tab.rs_f
         for m in range(M):
             n_un = n_sh * k[m]  # ... while m is not sharded
-            # A reduce-scatter towards a replicated target leaves a level that must be gathered; that
-            # gather is counted by the gather bound, so here only min(ar, rs) (consistency).
+            # A reduce-scatter towards a replicated target leaves a level that must be gathered;
+            # that gather is counted by the gather bound, so here only min(ar, rs) (consistency).
             ar = ar_lb[m] + ar_f[m] * n_un
             rs = rs_lb[m] + rs_f[m] * n_un
             lb_pa[m] = to_r = ar if ar < rs else rs
@@ -237,8 +274,8 @@ class Problem:
                 lb_pb[m] = to_r
         # red[y]: bound on reducing away the partial dims in mask y (reduce-away dims only get
         # fewer).  A partial dim shards nothing, so when the first of them is reduced all of y is
-        # unsharded: min over orders, each reduce at size >= g * prod(k of the dims still partial) / K.
-        # Consistent: a reduce of x from y costs at least the ordering's term for x put first.  A
+        # unsharded: min over orders, each reduce at size >= g * prod(k of the dims still partial) /
+        # K. Consistent: a reduce of x from y costs at least the ordering's term for x put first.  A
         # fused reduce of several dims costs no less than reducing them one after the other in this
         # model (its hops are at least their hops added up, its bandwidth the same at the same
         # sizes, at the worst link), and the latencies here leave out the base latency under fusion.
@@ -275,10 +312,11 @@ class Problem:
         lvl_lb, n_sh = self.lvl_lb, self.g / tab.K
         ag_lb, ag_f, a2_lb, a2_f = tab.ag_lb, tab.ag_f, tab.a2_lb, tab.a2_f
         # Levels that must move at least twice (see level_lb): gathered (then pushed back for free)
-        # or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards only: a strided
-        # level can change place on its own dim in one step.  With fusion, only a level on its own
-        # target dim (it must leave and come back whatever carries it; the base latency is counted
-        # once anyway): a fused all-to-all can carry a block of levels, in order, into place at once.
+        # or moved away and back by two all-to-alls, so min(ag, 2 a2a).  Plain shards only: a
+        # strided level can change place on its own dim in one step.  With fusion, only a level on
+        # its own target dim (it must leave and come back whatever carries it; the base latency is
+        # counted once anyway): a fused all-to-all can carry a block of levels, in order, into place
+        # at once.
         self.own_lb = own_lb = not strided and bool(dst_where)
         self.order_lb = order_lb = own_lb and not fuse
         self.two = two = [0.0] * M
@@ -327,14 +365,19 @@ class Problem:
     def drop_bounds(self):
         """A zero heuristic (the search is then Dijkstra)."""
         M, T = self.M, self.T
-        self.lvl_lb, self.lb_pa, self.lb_pb, self.red = [0.0] * M, [0.0] * M, [0.0] * M, [0.0] * (1 << M)
+        self.lvl_lb, self.lb_pa, self.lb_pb, self.red = (
+            [0.0] * M,
+            [0.0] * M,
+            [0.0] * M,
+            [0.0] * (1 << M),
+        )
         self.two = self.lvl_lb
         self.order_lb = self.own_lb = False
         self.lb_at, self.blk = [self.lvl_lb] * T, [0] * M
         self.cand_mask, self.glb = 0, [0.0] * (1 << M)
         self.base_share = 0.0
 
-    def level_lb(self, d, below, m):
+    def level_lb(self, d: int, below: tuple, m: int) -> float:
         """Bound for level ``m`` on tensor dim ``d`` with ``below`` under it, when the stack up to m
         is not a prefix of the target's (0 for levels the target does not shard: the gather bound
         has them).  It must move at least twice when
@@ -344,8 +387,8 @@ class Problem:
             last (not under fusion: a fused all-to-all carries both, in order, at once).
         Consistent: the condition holds until m itself moves (the levels below it cannot move before
         it); leaving by all-to-all trades min(ag, 2 a2a) for a term >= 0 that is at least
-        min(ag, a2a) where it lands, at a cost >= a2a; leaving by gather costs >= ag; arriving (push,
-        all-to-all or reduce-scatter) only raises the term."""
+        min(ag, a2a) where it lands, at a cost >= a2a; leaving by gather costs >= ag; arriving
+        (push, all-to-all or reduce-scatter) only raises the term."""
         if not self.own_lb:
             return self.lvl_lb[m]
         w = self.tpos.get(m)
@@ -363,7 +406,7 @@ class Problem:
                 return self.two[m]
         return self.lvl_lb[m]
 
-    def stack_lb(self, d, st):
+    def stack_lb(self, d: int, st: tuple) -> float:
         """Sum of level bounds of one stack: levels above the common prefix with the target all
         have to move."""
         tgt = self.dst_levels[d]
@@ -375,7 +418,7 @@ class Problem:
                 h += self.level_lb(d, st[:p], m)
         return h
 
-    def heuristic(self, stacks, pa, pb):
+    def heuristic(self, stacks: Levels, pa: int, pb: int) -> float:
         h = self.glb[sum(1 << m for st in stacks for m, _ in st)]
         for d, st in enumerate(stacks):
             h += self.stack_lb(d, st)
@@ -428,8 +471,8 @@ def _stack_masks(M: int) -> list[int]:
     hit = _SMASKS.get(M)
     if hit is None:
         B = M + 1
-        hit = [0] * B ** M
-        for v in range(1, B ** M):
+        hit = [0] * B**M
+        for v in range(1, B**M):
             c = v % B
             hit[v] = hit[v // B] | (1 << c - 1) if c else 0
         _SMASKS[M] = hit
@@ -438,8 +481,7 @@ def _stack_masks(M: int) -> list[int]:
 
 def _layout(B: int, M: int, T: int) -> tuple[int, int, int]:
     """Bit layout of a packed state: (bits per stack field, shift of the reduce-away mask, shift of
-    the keep-partial mask).  A stack holds at most M levels, so its digits base B fit in the field."""
-    W = max(1, (B ** M - 1).bit_length())
+    the keep-partial mask).  A stack holds at most M levels, so its digits base B fit in the
+    field."""
+    W = max(1, (B**M - 1).bit_length())
     return W, W * T, W * T + M
-
-

@@ -6,12 +6,24 @@ fxshard's own (``own``: attention, factories, vocab-parallel embedding), DTensor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from torch._ops import OpOverload
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
 from .dtensor import dtensor_candidates, has_single_dim_rule
 from .own import EMBEDDING, FACTORY_OPS, SDPA_OPS, embedding_candidates, sdpa_candidates
 from .user import has_rule, register_rule, unregister_rule, user_candidates
 
 
-def candidates(op, args, kwargs, device_mesh, input_placements):
+def candidates(
+    op: OpOverload,
+    args: Sequence,
+    kwargs: dict,
+    device_mesh: DeviceMesh,
+    input_placements: Sequence[Sequence[Placement]],
+) -> list | str | None:
     """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
     placements; ``None`` when no rule exists."""
     if has_rule(op):
@@ -22,10 +34,12 @@ def candidates(op, args, kwargs, device_mesh, input_placements):
         return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
     if op == EMBEDDING:
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
-    return dtensor_candidates(op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True)
+    return dtensor_candidates(
+        op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True
+    )
 
 
-def rules_mesh(shape):
+def rules_mesh(shape: Sequence[int]) -> DeviceMesh:
     """A DeviceMesh of ``shape`` with no process group: strategy functions never communicate."""
     from .._torch import torch_planning_mesh
 
@@ -38,5 +52,15 @@ def rules_mesh(shape):
 _MESHES: dict = {}  # cache: mesh shape -> planning DeviceMesh (no process group)
 
 
-__all__ = ["candidates", "rules_mesh", "register_rule", "unregister_rule", "has_rule", "dtensor_candidates",
-           "has_single_dim_rule", "EMBEDDING", "FACTORY_OPS", "SDPA_OPS"]
+__all__ = [
+    "candidates",
+    "rules_mesh",
+    "register_rule",
+    "unregister_rule",
+    "has_rule",
+    "dtensor_candidates",
+    "has_single_dim_rule",
+    "EMBEDDING",
+    "FACTORY_OPS",
+    "SDPA_OPS",
+]

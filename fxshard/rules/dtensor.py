@@ -13,9 +13,12 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed.tensor._ops  # noqa: F401  (registers all strategies)
+from torch._ops import OpOverload
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._decompositions import DecompShardingStrategy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -26,7 +29,13 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _insert_single_dim_replication_strategy,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 from torch.utils._pytree import tree_flatten, tree_map
 
 _SP = DTensor._op_dispatcher.sharding_propagator
@@ -37,8 +46,11 @@ Candidate = tuple[tuple[Plc | None, ...], tuple[Plc | None, ...]]
 
 def _spec_schema(op, args, kwargs, mesh, placements) -> OpSchema:
     it = iter(placements)  # tensors in tree_flatten order of (args, kwargs)
-    conv = lambda x: DTensorSpec(mesh, tuple(next(it)), TensorMeta(x.shape, x.stride(), x.dtype)) \
-        if isinstance(x, torch.Tensor) else x
+    conv = lambda x: (
+        DTensorSpec(mesh, tuple(next(it)), TensorMeta(x.shape, x.stride(), x.dtype))
+        if isinstance(x, torch.Tensor)
+        else x
+    )
     a, k = tree_map(conv, (tuple(args), dict(kwargs)))
     info = _SP.op_to_schema_info.get(op) or _SP.op_to_schema_info_for_single_dim_strategy.get(op)
     return OpSchema(op, tuple(a), k, schema_info=info)
@@ -46,8 +58,14 @@ def _spec_schema(op, args, kwargs, mesh, placements) -> OpSchema:
 
 def _enum_placements(t, mesh, current: Plc, with_partial: bool) -> list[Plc]:
     """Placement tuples to try as an input's placement (current first)."""
-    opts = [Replicate()] + [Shard(d) for d in range(t.ndim)] + ([Partial("sum")] if with_partial else [])
-    opts += [p for p in current if p not in opts]  # keep StridedShard / P(avg) / ... already present
+    opts = (
+        [Replicate()]
+        + [Shard(d) for d in range(t.ndim)]
+        + ([Partial("sum")] if with_partial else [])
+    )
+    opts += [
+        p for p in current if p not in opts
+    ]  # keep StridedShard / P(avg) / ... already present
     out = [tuple(current)]
     for plc in itertools.product(opts, repeat=mesh.ndim):
         kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
@@ -67,14 +85,33 @@ def _collect(strategy, n_in: int, found: dict) -> None:
         kids = [c for c in strategy.children if isinstance(c, OpStrategy)]
         for specs in zip(*(c.strategies for c in kids)):
             ins = specs[0].input_specs
-            found.setdefault((tuple(map(_plc, ins)) if ins else (None,) * n_in,
-                              tuple(_plc(s.output_specs if isinstance(s.output_specs, DTensorSpec)
-                                         else s.output_specs[0]) for s in specs)), None)
+            found.setdefault(
+                (
+                    tuple(map(_plc, ins)) if ins else (None,) * n_in,
+                    tuple(
+                        _plc(
+                            s.output_specs
+                            if isinstance(s.output_specs, DTensorSpec)
+                            else s.output_specs[0]
+                        )
+                        for s in specs
+                    ),
+                ),
+                None,
+            )
         return
     for s in strategy.strategies:
         outs = s.output_specs
-        o = () if outs is None else (_plc(outs),) if isinstance(outs, DTensorSpec) else tuple(map(_plc, outs))
-        if s.input_specs is None:  # DTensor semantics: every tensor input takes the output placement
+        o = (
+            ()
+            if outs is None
+            else (_plc(outs),)
+            if isinstance(outs, DTensorSpec)
+            else tuple(map(_plc, outs))
+        )
+        if (
+            s.input_specs is None
+        ):  # DTensor semantics: every tensor input takes the output placement
             i = (o[0],) * n_in
         else:
             i = tuple(map(_plc, s.input_specs))
@@ -97,35 +134,63 @@ def _by_name(fn, first, **named):
 
 
 def _single_dim(op, info, spec_schema, n_in: int, found: dict, reference: bool = False) -> None:
-    """Every full-mesh candidate of an op with a single-mesh-dim rule, into ``found``.  The expansion
-    over mesh dims is ``_expand`` (what DTensor's ``expand_to_full_mesh_op_strategy`` does, keeping
-    only placements); ``reference`` runs DTensor's own (the tests compare the two)."""
+    """Every full-mesh candidate of an op with a single-mesh-dim rule, into ``found``.  The
+    expansion over mesh dims is ``_expand`` (what DTensor's ``expand_to_full_mesh_op_strategy``
+    does, keeping only placements); ``reference`` runs DTensor's own (the tests compare the two)."""
     out_meta = _SP._propagate_tensor_meta_non_cached(spec_schema)
     schema = _SP._wrap_with_op_strategy(spec_schema)
     rules = [list(r) for r in info.func(op, schema.args_meta, schema.kwargs_meta)]
     n_in_rule = _get_num_tensor_inputs(schema)
-    n_out = len(rules[0]) - n_in_rule if rules else (
-        0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta))
-    rules = _by_name(_insert_single_dim_replication_strategy, rules, num_outputs=n_out, num_inputs=n_in_rule,
-                     output_tensor_meta=out_meta)
+    n_out = (
+        len(rules[0]) - n_in_rule
+        if rules
+        else (0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta))
+    )
+    rules = _by_name(
+        _insert_single_dim_replication_strategy,
+        rules,
+        num_outputs=n_out,
+        num_inputs=n_in_rule,
+        output_tensor_meta=out_meta,
+    )
     # DTensor fills _ShardingPlaceholder only with shard types present on the inputs, so
     # all-Replicate inputs would yield no sharded candidate: always seed Shard.
-    seen = {p for x in tree_flatten((spec_schema.args_schema, spec_schema.kwargs_schema))[0]
-            if isinstance(x, DTensorSpec) for p in x.placements} | {Shard(0)}
+    seen = {
+        p
+        for x in tree_flatten((spec_schema.args_schema, spec_schema.kwargs_schema))[0]
+        if isinstance(x, DTensorSpec)
+        for p in x.placements
+    } | {Shard(0)}
     rules = _fill_single_dim_strategy_placeholders(seen, rules)
     mesh = schema.get_mesh_from_args(validate=False)
     inplace = op.name().split("::")[1].split(".")[0].endswith("_")
     unbacked = getattr(info, "allow_unbacked_sharding", None)
     uneven = getattr(info, "allow_uneven_sharding", False)
-    if reference or schema.is_out_variant_op():  # out= variants: DTensor's (never in functional graphs)
-        _collect(_by_name(expand_to_full_mesh_op_strategy, mesh, op_schema=schema, single_mesh_dim_strategies=rules,
-                          output_tensor_meta=out_meta, inplace_op=inplace, input_index=n_out,
-                          allow_unbacked_sharding=unbacked, allow_uneven_sharding=uneven), n_in, found)
+    if (
+        reference or schema.is_out_variant_op()
+    ):  # out= variants: DTensor's (never in functional graphs)
+        _collect(
+            _by_name(
+                expand_to_full_mesh_op_strategy,
+                mesh,
+                op_schema=schema,
+                single_mesh_dim_strategies=rules,
+                output_tensor_meta=out_meta,
+                inplace_op=inplace,
+                input_index=n_out,
+                allow_unbacked_sharding=unbacked,
+                allow_uneven_sharding=uneven,
+            ),
+            n_in,
+            found,
+        )
     else:
         _expand(mesh, schema, rules, n_out, n_in, found, inplace, unbacked, uneven)
 
 
-def _expand(mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bool, unbacked, uneven) -> None:
+def _expand(
+    mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bool, unbacked, uneven
+) -> None:
     """DTensor's ``expand_to_full_mesh_op_strategy`` reduced to what fxshard reads, the placements:
     every combination of one single-dim rule per mesh dim, dropping the same ones DTensor drops
     (mixed partial kinds other than sum with avg; an in-place op whose self would have to move; an
@@ -136,14 +201,17 @@ def _expand(mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bo
     cur = [tuple(st.strategies[0].output_spec.placements) for st in ins]
     shapes = [st.shape for st in ins]
     shardable: dict = {}
-    out = []  # into found only when the whole expansion succeeded (DTensor's raises and returns nothing)
+    # into found only when the whole expansion succeeded (DTensor's raises and returns nothing)
+    out = []
     for combo in itertools.product(rules, repeat=mesh.ndim):
         pos = [None if ps[0] is None else ps for ps in zip(*combo)]
         mixed = False
         for plc in pos:
             if plc is not None:
                 kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
-                if len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}):
+                if len(kinds) > 1 and not (
+                    len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"}
+                ):
                     mixed = True
                     break
         if mixed:
@@ -159,9 +227,9 @@ def _expand(mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bo
         for j, plc in enumerate(inputs):
             v = shardable.get((j, plc))
             if v is None:
-                v = shardable[j, plc] = is_tensor_shardable(shapes[j], DTensorSpec(mesh, plc),
-                                                            allow_unbacked_sharding=unbacked) or \
-                    (uneven and cur[j] == plc)
+                v = shardable[j, plc] = is_tensor_shardable(
+                    shapes[j], DTensorSpec(mesh, plc), allow_unbacked_sharding=unbacked
+                ) or (uneven and cur[j] == plc)
             if not v:
                 ok = False
                 break
@@ -175,16 +243,30 @@ def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
     """DecompShardingStrategy.propagate_strategy with a seeded (input-independent) candidate set."""
     ds = _SP.decomp_strategy
     ds.ensure_schema_info(op)
-    leaves = tree_flatten(list(spec_schema.args_schema) + list(spec_schema.kwargs_schema.values()))[0]
-    shared = {Replicate()} | {p for c in input_placements for p in c} | ({Partial("sum")} if with_partial else set())
+    leaves = tree_flatten(list(spec_schema.args_schema) + list(spec_schema.kwargs_schema.values()))[
+        0
+    ]
+    shared = (
+        {Replicate()}
+        | {p for c in input_placements for p in c}
+        | ({Partial("sum")} if with_partial else set())
+    )
 
     def options(spec, full):  # one list per leaf (None for non-tensor leaves), like DTensor
         if not isinstance(spec, DTensorSpec):
             return [None]
-        o = {p for p in shared if not isinstance(p, (Shard, _StridedShard))} if full else {Replicate()}
+        o = (
+            {p for p in shared if not isinstance(p, (Shard, _StridedShard))}
+            if full
+            else {Replicate()}
+        )
         o |= {Shard(d) for d in range(spec.ndim)}
-        o |= {_StridedShard(d, split_factor=p.split_factor) for p in shared
-              if isinstance(p, _StridedShard) for d in range(spec.ndim)}
+        o |= {
+            _StridedShard(d, split_factor=p.split_factor)
+            for p in shared
+            if isinstance(p, _StridedShard)
+            for d in range(spec.ndim)
+        }
         return sorted(o, key=repr)
 
     per_leaf = [options(s, True) for s in leaves]
@@ -193,30 +275,51 @@ def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
     rules, n_out = [], None
     for cand in itertools.product(*per_leaf):
         try:
-            res = ds._propagate_through_decomp(spec_schema, cand, ds._get_fake_mesh(mesh.device_type))
+            res = ds._propagate_through_decomp(
+                spec_schema, cand, ds._get_fake_mesh(mesh.device_type)
+            )
         except NotImplementedError:
-            return None  # a decomposed op has no strategy (e.g. factory aten.ones): DTensor fails too
+            return (
+                None  # a decomposed op has no strategy (e.g. factory aten.ones): DTensor fails too
+            )
         except Exception:
             continue  # would need redistribution inside the decomposition
         res = list(res) if isinstance(res, tuple) else [res]
         n_out = len(res) if n_out is None else n_out
         if len(res) == n_out:
             rules.append(res + [p for p in cand if p is not None])
-    return expand_to_full_mesh_op_strategy(mesh, _SP._wrap_with_op_strategy(spec_schema), rules,
-                                           input_index=n_out) if rules else None
+    return (
+        expand_to_full_mesh_op_strategy(
+            mesh, _SP._wrap_with_op_strategy(spec_schema), rules, input_index=n_out
+        )
+        if rules
+        else None
+    )
 
 
-_MAX_DECOMP_CANDIDATES = 256  # input combinations tried through a decomposition (then: Shard / Replicate only)
+_MAX_DECOMP_CANDIDATES = (
+    256  # input combinations tried through a decomposition (then: Shard / Replicate only)
+)
 
 
-def dtensor_candidates(op, args, kwargs, device_mesh, input_placements, *, drop_strided_shard: bool = False,
-                       reference: bool = False) -> list[Candidate] | None:
+def dtensor_candidates(
+    op: OpOverload,
+    args: Sequence,
+    kwargs: dict,
+    device_mesh: DeviceMesh,
+    input_placements: Sequence[Sequence[Placement]],
+    *,
+    drop_strided_shard: bool = False,
+    reference: bool = False,
+) -> list[Candidate] | None:
     """All DTensor candidates (per-tensor-input placements, per-tensor-output placements).
     Tensors are counted in tree_flatten order of (args, kwargs) (lists flattened, None skipped).
     Output entries: one per returned tensor (None = not a DTensor output, e.g. philox seed);
     List[Tensor] outputs give one entry per element. None => DTensor has no rule.
     ``reference``: expand single-mesh-dim rules with DTensor's own helper (for tests)."""
-    tensors = [x for x in tree_flatten((tuple(args), dict(kwargs or {})))[0] if isinstance(x, torch.Tensor)]
+    tensors = [
+        x for x in tree_flatten((tuple(args), dict(kwargs or {})))[0] if isinstance(x, torch.Tensor)
+    ]
     cur = [tuple(p) for p in input_placements]
     assert len(tensors) == len(cur), (len(tensors), len(cur))
     kwargs, n_in, found = dict(kwargs or {}), len(tensors), {}
@@ -229,44 +332,71 @@ def dtensor_candidates(op, args, kwargs, device_mesh, input_placements, *, drop_
     if single is not None:  # preferred by DTensor when an op has both (mm, addmm, bmm, clone, conv)
         try:
             _single_dim(op, single, spec_schema, n_in, found, reference)
-        except Exception as e:  # an input placement the rule rejects; logged: also a torch-version drift
-            log.debug("fxshard: DTensor's single-dim rule for %s raised %s: %s", op, type(e).__name__, e)
+        except (
+            Exception
+        ) as e:  # an input placement the rule rejects; logged: also a torch-version drift
+            log.debug(
+                "fxshard: DTensor's single-dim rule for %s raised %s: %s", op, type(e).__name__, e
+            )
     elif strat_fn is not None:
         _follow_the_input(op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in, found)
-    elif not _decomposed_or_legacy(op, has_decomp, rule, spec_schema, device_mesh, cur, n_in, found):
+    elif not _decomposed_or_legacy(
+        op, has_decomp, rule, spec_schema, device_mesh, cur, n_in, found
+    ):
         return None
     res = list(found)
     if drop_strided_shard:
-        res = [c for c in res if not any(isinstance(p, _StridedShard)
-                                         for side in c for plc in side if plc for p in plc)]
+        res = [
+            c
+            for c in res
+            if not any(
+                isinstance(p, _StridedShard) for side in c for plc in side if plc for p in plc
+            )
+        ]
     return res
 
 
-def _follow_the_input(op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in: int, found: dict) -> None:
-    """"Follow-the-input" strategy functions (view, reductions, slice, cat, softmax...) return one
+def _follow_the_input(
+    op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in: int, found: dict
+) -> None:
+    """ "Follow-the-input" strategy functions (view, reductions, slice, cat, softmax...) return one
     OpSpec per input OpSpec: call once per seed input placement.  A function returning more than
     one spec for the first seed already enumerates everything (expand_to_full_mesh style): stop."""
     first = tensors[0]
     seeds = [cur]
     for plc in _enum_placements(first, device_mesh, cur[0], True)[1:]:
-        seeds.append([plc if t.ndim == first.ndim and is_tensor_shardable(
-            t.shape, DTensorSpec(device_mesh, plc)) else c for t, c in zip(tensors, cur)])
+        seeds.append(
+            [
+                plc
+                if t.ndim == first.ndim
+                and is_tensor_shardable(t.shape, DTensorSpec(device_mesh, plc))
+                else c
+                for t, c in zip(tensors, cur)
+            ]
+        )
     for j, t in enumerate(tensors[1:], 1):  # other-rank inputs varied one at a time
         if t.ndim != first.ndim:
             for plc in _enum_placements(t, device_mesh, cur[j], True)[1:]:
-                seeds.append(cur[:j] + [plc] + cur[j + 1:])
+                seeds.append(cur[:j] + [plc] + cur[j + 1 :])
     for k, seed in enumerate(seeds):
         before = len(found)
         try:
-            _collect(strat_fn(_SP._wrap_with_op_strategy(
-                _spec_schema(op, args, kwargs, device_mesh, seed))), n_in, found)
+            _collect(
+                strat_fn(
+                    _SP._wrap_with_op_strategy(_spec_schema(op, args, kwargs, device_mesh, seed))
+                ),
+                n_in,
+                found,
+            )
         except Exception:
             pass  # strategy raises for this input placement (strict view on uneven dim, expand)
         if k == 0 and len(found) - before > 1:
             break
 
 
-def _decomposed_or_legacy(op, has_decomp, rule, spec_schema, device_mesh, cur, n_in: int, found: dict) -> bool:
+def _decomposed_or_legacy(
+    op, has_decomp, rule, spec_schema, device_mesh, cur, n_in: int, found: dict
+) -> bool:
     """Candidates through the op's decomposition, else its legacy OutputSharding rule (one answer
     for the given placements).  False when it has neither."""
     st = None
@@ -288,12 +418,16 @@ def _decomposed_or_legacy(op, has_decomp, rule, spec_schema, device_mesh, cur, n
         if res.output_spec is not None:
             o = res.output_spec
             i = tuple(map(_plc, in_schema.args_spec))
-            found[(i + (None,) * (n_in - len(i)),
-                   (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)))] = None
+            found[
+                (
+                    i + (None,) * (n_in - len(i)),
+                    (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)),
+                )
+            ] = None
     except Exception:
         pass
     return True
 
 
-def has_single_dim_rule(op) -> bool:
+def has_single_dim_rule(op: OpOverload) -> bool:
     return op in _SP.op_single_dim_strategy_funcs

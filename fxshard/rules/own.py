@@ -10,28 +10,46 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
+from torch._ops import OpOverload
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten
 
 from .dtensor import dtensor_candidates
 
 aten = torch.ops.aten
-SDPA_OPS = {aten.scaled_dot_product_attention.default: 1,
-            aten._scaled_dot_product_flash_attention_for_cpu.default: 2,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 3}
-FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
-               aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
-               aten.rand.default, aten.randn.default}
+SDPA_OPS = {
+    aten.scaled_dot_product_attention.default: 1,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 2,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 3,
+}
+FACTORY_OPS = {
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.rand.default,
+    aten.randn.default,
+}
 EMBEDDING = aten.embedding.default
 
 
-def sdpa_candidates(op, args, kwargs, mesh, input_placements):
-    """q, k, v (and a mask; the backward's grad_out, out and logsumexp) sharded alike on batch (dim 0)
-    or heads (dim 1), per mesh dim; a tensor of size 1 on that dim (a broadcast mask) is replicated
-    instead.  Outputs (and logsumexp, the input gradients) follow q."""
-    tensors = [x for x in tree_flatten((tuple(args), dict(kwargs)))[0] if isinstance(x, torch.Tensor)]
+def sdpa_candidates(
+    op: OpOverload, args: Sequence, kwargs: dict, mesh: DeviceMesh, input_placements: Sequence
+) -> list:
+    """q, k, v (and a mask; the backward's grad_out, out and logsumexp) sharded alike on batch (dim
+    0) or heads (dim 1), per mesh dim; a tensor of size 1 on that dim (a broadcast mask) is
+    replicated instead.  Outputs (and logsumexp, the input gradients) follow q."""
+    tensors = [
+        x for x in tree_flatten((tuple(args), dict(kwargs)))[0] if isinstance(x, torch.Tensor)
+    ]
     q = tensors[0]
     n_out = SDPA_OPS[op]
     n_alike = 4 if n_out == 3 else 3  # (grad_out,) q, k, v
@@ -43,8 +61,12 @@ def sdpa_candidates(op, args, kwargs, mesh, input_placements):
     for combo in itertools.product(*per_dim):
         ins = []
         for t in tensors:
-            plc = tuple(p if not isinstance(p, Shard) or (t.ndim >= 2 and t.shape[p.dim] == q.shape[p.dim])
-                        else Replicate() for p in combo)
+            plc = tuple(
+                p
+                if not isinstance(p, Shard) or (t.ndim >= 2 and t.shape[p.dim] == q.shape[p.dim])
+                else Replicate()
+                for p in combo
+            )
             ins.append(plc)
         # k/v must be sharded exactly like q on batch/heads (GQA without expansion is not covered)
         if any(ins[i] != tuple(combo) for i in range(min(n_alike, len(ins)))):
@@ -53,18 +75,29 @@ def sdpa_candidates(op, args, kwargs, mesh, input_placements):
     return out
 
 
-def embedding_candidates(op, args, kwargs, mesh, input_placements):
+def embedding_candidates(
+    op: OpOverload, args: Sequence, kwargs: dict, mesh: DeviceMesh, input_placements: Sequence
+) -> list:
     """DTensor's candidates without _MaskPartial, plus vocab-parallel lookups: weight Shard(0) on a
     mesh dim, indices replicated there, output Partial(sum) (lowered as a masked local lookup)."""
     base = dtensor_candidates(op, args, kwargs, mesh, input_placements) or []
-    keep = [c for c in base if not any(type(p).__name__ == "_MaskPartial"
-                                        for side in c for plc in side if plc for p in plc)]
+    keep = [
+        c
+        for c in base
+        if not any(
+            type(p).__name__ == "_MaskPartial" for side in c for plc in side if plc for p in plc
+        )
+    ]
     per_dim = []
     weight = args[0]
     for _m in range(mesh.ndim):
-        per_dim.append([("R", Replicate(), Replicate(), Replicate()),
-                        ("vocab", Shard(0), Replicate(), Partial("sum")),
-                        ("batch", Replicate(), Shard(0), Shard(0))])
+        per_dim.append(
+            [
+                ("R", Replicate(), Replicate(), Replicate()),
+                ("vocab", Shard(0), Replicate(), Partial("sum")),
+                ("batch", Replicate(), Shard(0), Shard(0)),
+            ]
+        )
     for combo in itertools.product(*per_dim):
         if all(c[0] != "vocab" for c in combo):
             continue

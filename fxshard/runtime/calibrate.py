@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.cost import CostModel
 from ..core.mesh import MeshSpec
@@ -37,12 +38,19 @@ def _time_all_gather(group, nbytes: int, device, repeats: int) -> float:
     return float(t.item())
 
 
-def calibrate(device_mesh, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20), repeats: int = 5) -> CostModel:
+def calibrate(
+    device_mesh: DeviceMesh,
+    sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20),
+    repeats: int = 5,
+) -> CostModel:
     """Fit ``t = a + b * bytes`` for an all-gather on every mesh dim and turn it into the alpha-beta
     model: per-hop latency ``a / (k - 1)`` and bandwidth ``(k - 1) / b``, base latency folded in.
     Every rank must call it (it runs collectives)."""
-    device = torch.device(device_mesh.device_type if device_mesh.device_type != "cuda"
-                          else f"cuda:{torch.cuda.current_device()}")
+    device = torch.device(
+        device_mesh.device_type
+        if device_mesh.device_type != "cuda"
+        else f"cuda:{torch.cuda.current_device()}"
+    )
     lat, bw = [], []
     for m in range(device_mesh.ndim):
         group = device_mesh.get_group(m)
@@ -60,5 +68,7 @@ def calibrate(device_mesh, sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20), r
         lat.append(intercept / (k - 1))
         # all-gather moves (k-1) * input bytes per rank: µs per byte = (k-1) / B, B in GiB/s
         bw.append((k - 1) * 1e6 / (slope * _GIB))
-    mesh = MeshSpec(tuple(device_mesh.mesh.shape), device_mesh.mesh_dim_names, bandwidth=bw, latency=lat)
+    mesh = MeshSpec(
+        tuple(device_mesh.mesh.shape), device_mesh.mesh_dim_names, bandwidth=bw, latency=lat
+    )
     return CostModel(mesh, base_latency_us=0.0)

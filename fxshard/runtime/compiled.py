@@ -8,15 +8,23 @@ joint program on simulated ranks twice instead (a debugging mode).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch import inductor_compile, partition_joint
+from ..core.spec import ShardingSpec
 from ..ir import INPUT, PARAM, STATE_KINDS, TANGENT, info
 from ..passes.lower import bind_groups, local_shape
 from ..planner.execute import group_names
 
+if TYPE_CHECKING:  # annotations only
+    from .program import ShardedProgram
 
-def device_of(device_mesh) -> torch.device:
+
+def device_of(device_mesh: DeviceMesh) -> torch.device:
     t = device_mesh.device_type
     if t == "cpu":
         return torch.device("cpu")
@@ -28,12 +36,16 @@ def _check_mesh(program, device_mesh) -> tuple:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("compiling a sharded program needs an initialised process group "
-                           "(torch.distributed.init_process_group) and a DeviceMesh; to run every rank in "
-                           "one process use simulate() instead")
+        raise RuntimeError(
+            "compiling a sharded program needs an initialised process group "
+            "(torch.distributed.init_process_group) and a DeviceMesh; to run every rank in "
+            "one process use simulate() instead"
+        )
     if tuple(device_mesh.shape) != tuple(program.mesh.shape):
-        raise ValueError(f"the program was sharded for mesh {program.mesh.shape}, the DeviceMesh is "
-                         f"{tuple(device_mesh.shape)}")
+        raise ValueError(
+            f"the program was sharded for mesh {program.mesh.shape}, the DeviceMesh is "
+            f"{tuple(device_mesh.shape)}"
+        )
     coord = device_mesh.get_coordinate()
     if coord is None:
         raise RuntimeError("this rank is not part of the device mesh")
@@ -47,7 +59,14 @@ class CompiledProgram:
     (``output_specs``; replicated outputs are global values).  ``run_local(local_args)`` runs on
     local shards of every placeholder (parameters included), in ``program.placeholders`` order."""
 
-    def __init__(self, program, device_mesh, *, inductor: bool = True, own_state: bool = True):
+    def __init__(
+        self,
+        program: ShardedProgram,
+        device_mesh: DeviceMesh,
+        *,
+        inductor: bool = True,
+        own_state: bool = True,
+    ):
         coord = _check_mesh(program, device_mesh)
         self.program = program
         self.device_mesh = device_mesh
@@ -57,7 +76,9 @@ class CompiledProgram:
         self.specs = [info(p).spec for p in program.placeholders]
         self.output_specs = program.output_specs
         local = bind_groups(program.local_graph_on(self.device), group_names(device_mesh))
-        example = [self.coord] + [torch.empty(local_shape(s), dtype=s.dtype, device=self.device) for s in self.specs]
+        example = [self.coord] + [
+            torch.empty(local_shape(s), dtype=s.dtype, device=self.device) for s in self.specs
+        ]
         self.inductor = inductor
         self.fn = inductor_compile(local, example) if inductor else local
         self.local_graph = local
@@ -69,18 +90,20 @@ class CompiledProgram:
             if own_state and rec.kind in STATE_KINDS:
                 self.state[rec.fqn] = self.local_of(program.captured.state[rec.fqn], spec)
 
-    def local_of(self, full: torch.Tensor, spec) -> torch.Tensor:
+    def local_of(self, full: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
         """This rank's shard of a global tensor (a local slice, no communication)."""
         return spec.local_of(full.detach().to(self.device), self.coord_ints)
 
-    def run_local(self, local_args) -> list:
+    def run_local(self, local_args: Sequence[torch.Tensor]) -> list:
         outs = self.fn(self.coord, *local_args)
         return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
     def __call__(self, *inputs):
         prog = self.program
         if len(inputs) != prog.captured.num_inputs:
-            raise TypeError(f"this program takes {prog.captured.num_inputs} inputs, got {len(inputs)}")
+            raise TypeError(
+                f"this program takes {prog.captured.num_inputs} inputs, got {len(inputs)}"
+            )
         args = []
         for p, spec in zip(prog.placeholders, self.specs):
             rec = info(p)
@@ -93,16 +116,27 @@ class CompiledProgram:
 
 class CompiledTraining:
     """One rank's training program: the per-rank joint graph split by the min-cut partitioner into a
-    forward and a backward, each compiled by Inductor (or run eagerly), run as one autograd Function.
+    forward and a backward, each compiled by Inductor (or run eagerly), run as one autograd
+    Function.
 
     ``apply(local_args)`` takes this rank's local shard of every primal placeholder (parameters,
-    buffers, inputs: ``program.placeholders`` order without tangents) and returns the forward outputs;
+    buffers, inputs: ``program.placeholders`` order without tangents) and returns the forward
+    outputs;
     ``backward()`` through them gives every parameter (and input that requires grad) its local
     gradient shard, placed like the parameter."""
 
-    def __init__(self, program, device_mesh, *, inductor: bool = True, localize=None):
+    def __init__(
+        self,
+        program: ShardedProgram,
+        device_mesh: DeviceMesh,
+        *,
+        inductor: bool = True,
+        localize: Callable | None = None,
+    ):
         if not program.training:
-            raise ValueError("CompiledTraining needs a training program (fxshard.shard(..., training=True))")
+            raise ValueError(
+                "CompiledTraining needs a training program (fxshard.shard(..., training=True))"
+            )
         coord = _check_mesh(program, device_mesh)
         self.program = program
         # localize(global args) -> local shards, inside the Function: the backend hands global
@@ -115,11 +149,13 @@ class CompiledTraining:
         self.primal_specs = [info(p).spec for p in places if info(p).kind != TANGENT]
         # (forward output index, spec) per tangent, in placeholder order: only outputs that can have
         # a gradient get a tangent, so incoming gradients are matched by output index, not position
-        self.tangents = [(info(p).output_index, info(p).spec) for p in places if info(p).kind == TANGENT]
+        self.tangents = [
+            (info(p).output_index, info(p).spec) for p in places if info(p).kind == TANGENT
+        ]
         self.primal_kinds = primal_kinds(program)
         roles = program.output_roles()
         self.num_fwd = sum(r[0] == "output" for r in roles)
-        self.grad_roles = roles[self.num_fwd:]
+        self.grad_roles = roles[self.num_fwd :]
         local = bind_groups(program.local_graph_on(self.device), group_names(device_mesh))
         for n in local.graph.nodes:  # the partitioner tells primals from tangents by name
             if n.op == "placeholder" and n.name == "mesh_coord":
@@ -134,26 +170,33 @@ class CompiledTraining:
             self.fw = lambda *a: fw(*a)
             self.bw = lambda *a: bw(*a)
 
-    def local_of(self, full: torch.Tensor, spec) -> torch.Tensor:
+    def local_of(self, full: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
         return spec.local_of(full.detach().to(self.device), self.coord_ints)
 
-    def apply(self, local_args):
+    def apply(self, local_args: Sequence[torch.Tensor]):
         return _TrainingStep.apply(self, self.coord, *local_args)
 
     def __call__(self, *inputs, grad_outputs=None):
-        """One forward+backward on the global ``inputs`` with the program's own (captured) parameters:
-        ``(outputs, grads)``, ``grads[fqn]`` this rank's gradient shard (placed like the parameter)."""
+        """One forward+backward on the global ``inputs`` with the program's own (captured)
+        parameters:
+        ``(outputs, grads)``, ``grads[fqn]`` this rank's gradient shard (placed like the
+        parameter)."""
         prog = self.program
         if getattr(self, "_state", None) is None:
             self._state = {}
             for (kind, fqn, _), spec in zip(self.primal_kinds, self.primal_specs):
                 if kind in STATE_KINDS:
-                    t = spec.local_of(prog.captured.state[fqn].detach().to(self.device), self.coord_ints)
+                    t = spec.local_of(
+                        prog.captured.state[fqn].detach().to(self.device), self.coord_ints
+                    )
                     self._state[fqn] = t.requires_grad_(kind == PARAM)
         args = []
         for (kind, fqn, index), spec in zip(self.primal_kinds, self.primal_specs):
-            args.append(self._state[fqn] if kind in STATE_KINDS else
-                        spec.local_of(inputs[index].to(self.device), self.coord_ints))
+            args.append(
+                self._state[fqn]
+                if kind in STATE_KINDS
+                else spec.local_of(inputs[index].to(self.device), self.coord_ints)
+            )
         for t in self._state.values():
             t.grad = None
         outs = self.apply(args)
@@ -162,22 +205,35 @@ class CompiledTraining:
         torch.autograd.backward(flat, gos)
         return outs, {f: t.grad for f, t in self._state.items() if t.grad is not None}
 
-    def grads_for_inputs(self, grads) -> list:
-        """Backward outputs mapped onto (mesh coordinate, *primal inputs); None where no gradient."""
-        return [None, *gradients_of(self.primal_kinds, dict(zip((tuple(r) for r in self.grad_roles), grads)))]
+    def grads_for_inputs(self, grads: Sequence) -> list:
+        """Backward outputs mapped onto (mesh coordinate, *primal inputs); None where no
+        gradient."""
+        return [
+            None,
+            *gradients_of(self.primal_kinds, dict(zip((tuple(r) for r in self.grad_roles), grads))),
+        ]
 
 
-def primal_kinds(program) -> list[tuple]:
+def primal_kinds(program: ShardedProgram) -> list[tuple]:
     """(kind, fqn, input index) of every placeholder but the incoming gradients, in order."""
-    return [(info(p).kind, info(p).fqn, info(p).input_index) for p in program.placeholders
-            if info(p).kind != TANGENT]
+    return [
+        (info(p).kind, info(p).fqn, info(p).input_index)
+        for p in program.placeholders
+        if info(p).kind != TANGENT
+    ]
 
 
-def gradients_of(primal_kinds, by_role: dict) -> list:
-    """The gradient of every primal input from ``{("grad_param", fqn) | ("grad_input", i): value}``."""
-    return [by_role.get(("grad_param", fqn)) if kind == PARAM else
-            by_role.get(("grad_input", index)) if kind == INPUT else None
-            for kind, fqn, index in primal_kinds]
+def gradients_of(kinds: Sequence[tuple], by_role: dict) -> list:
+    """The gradient of every primal input from ``{("grad_param", fqn) | ("grad_input", i):
+    value}``."""
+    return [
+        by_role.get(("grad_param", fqn))
+        if kind == PARAM
+        else by_role.get(("grad_input", index))
+        if kind == INPUT
+        else None
+        for kind, fqn, index in primal_kinds
+    ]
 
 
 def _examples(gm):
@@ -185,7 +241,11 @@ def _examples(gm):
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             v = n.meta["val"]
-            out.append(torch.empty(v.shape, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor) else v)
+            out.append(
+                torch.empty(v.shape, dtype=v.dtype, device=v.device)
+                if isinstance(v, torch.Tensor)
+                else v
+            )
     return out
 
 
@@ -193,8 +253,10 @@ def _no_double_backward():
     # grad mode is on inside a Function's backward exactly when the caller asked for create_graph
     if torch.is_grad_enabled():
         raise NotImplementedError(
-            "fxshard: double backward (autograd.grad(..., create_graph=True), e.g. a gradient penalty) through a "
-            "sharded graph is not supported: its backward is compiled once and not differentiable")
+            "fxshard: double backward (autograd.grad(..., create_graph=True), e.g. a gradient "
+            "penalty) through a "
+            "sharded graph is not supported: its backward is compiled once and not differentiable"
+        )
 
 
 class _TrainingStep(torch.autograd.Function):
@@ -211,8 +273,13 @@ class _TrainingStep(torch.autograd.Function):
         ctx.layout = [isinstance(t, torch.Tensor) for t in saved]
         ctx.others = [t for t in saved if not isinstance(t, torch.Tensor)]
         differentiable = {i for i, _ in runner.tangents}
-        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs[:n])
-                                      if i not in differentiable and isinstance(o, torch.Tensor)])
+        ctx.mark_non_differentiable(
+            *[
+                o
+                for i, o in enumerate(outs[:n])
+                if i not in differentiable and isinstance(o, torch.Tensor)
+            ]
+        )
         return tuple(outs[:n]) if n > 1 else outs[0]
 
     @staticmethod
@@ -221,9 +288,12 @@ class _TrainingStep(torch.autograd.Function):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         # Inductor asserts the strides it compiled for: saved activations are handed over contiguous
         saved = [next(tensors).contiguous() if is_t else next(others) for is_t in ctx.layout]
-        tangents = [grads[i].contiguous() if grads[i] is not None else
-                    torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
-                    for i, s in ctx.runner.tangents]
+        tangents = [
+            grads[i].contiguous()
+            if grads[i] is not None
+            else torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
+            for i, s in ctx.runner.tangents
+        ]
         outs = ctx.runner.bw(*saved, *tangents)
         return (None, *ctx.runner.grads_for_inputs(list(outs)))
 
@@ -251,7 +321,9 @@ def _simulate_joint(prog, primal_values, grads):
         if info(p).kind == TANGENT:
             i = info(p).output_index
             g = grads[i] if grads is not None and grads[i] is not None else None
-            values.append(g if g is not None else torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype))
+            values.append(
+                g if g is not None else torch.zeros(p.meta["val"].shape, dtype=p.meta["val"].dtype)
+            )
         else:
             values.append(next(it))
     flat = prog.simulate_placeholders(values)

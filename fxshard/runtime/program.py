@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import report
 from .._torch import coordinate_tensor, tree_unflatten
@@ -25,8 +26,13 @@ class ShardedProgram:
     bucketed), and the ways to look at and run it (``explain``, ``collectives``, ``simulate``,
     ``compile``)."""
 
-    def __init__(self, captured: Captured, *, after_lower: Sequence[Callable] = (),
-                 after_bucket: Sequence[Callable] = ()):
+    def __init__(
+        self,
+        captured: Captured,
+        *,
+        after_lower: Sequence[Callable] = (),
+        after_bucket: Sequence[Callable] = (),
+    ):
         self.captured = captured
         self.config = captured.config
         self.global_graph = captured.gm
@@ -42,8 +48,11 @@ class ShardedProgram:
     @property
     def graph(self) -> fx.GraphModule:
         """Deprecated name of ``global_graph`` (a GraphModule, like ``local_graph``)."""
-        warnings.warn("ShardedProgram.graph is deprecated: use global_graph (the GraphModule)", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "ShardedProgram.graph is deprecated: use global_graph (the GraphModule)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.global_graph
 
     # ---- views ----------------------------------------------------------------------------------
@@ -52,7 +61,7 @@ class ShardedProgram:
         """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
         return self.local_graph_on(None)
 
-    def local_graph_on(self, device) -> fx.GraphModule:
+    def local_graph_on(self, device: torch.device | str | None) -> fx.GraphModule:
         """The per-rank graph with its factory ops on ``device`` (None: where the program was
         captured).  Built on first use: lowered, then ``after_lower`` passes, bucketed (up to the
         config's ``bucket_bytes``), then ``after_bucket`` passes."""
@@ -92,9 +101,9 @@ class ShardedProgram:
         return planned_collectives(self.global_graph)
 
     def collectives(self) -> list[Collective]:
-        """What the per-rank graph runs, in order: one entry per collective node, listing the planned
-        collectives it ``carries`` (several where bucketing merged them; their bytes add up, its
-        cost is one collective of that size)."""
+        """What the per-rank graph runs, in order: one entry per collective node, listing the
+        planned collectives it ``carries`` (several where bucketing merged them; their bytes add up,
+        its cost is one collective of that size)."""
         out = []
         for n in collective_nodes(self.local_graph):
             planned = info(n).carries
@@ -104,9 +113,19 @@ class ShardedProgram:
             first = planned[0]
             nbytes = sum(c.bytes for c in planned)
             cost = float(self.cost_model.collective(first.kind, first.mesh_dims, nbytes))
-            out.append(Collective(first.kind, first.mesh_dims, nbytes, cost, n.name,
-                                  f"bucket of {len(planned)}: " + "; ".join(c.node for c in planned),
-                                  first.transition, first.phase, planned))
+            out.append(
+                Collective(
+                    first.kind,
+                    first.mesh_dims,
+                    nbytes,
+                    cost,
+                    n.name,
+                    f"bucket of {len(planned)}: " + "; ".join(c.node for c in planned),
+                    first.transition,
+                    first.phase,
+                    planned,
+                )
+            )
         return out
 
     def modelled_cost(self) -> dict:
@@ -119,9 +138,10 @@ class ShardedProgram:
         """The plan as a table (``format="json"`` / ``"html"`` for tools and browsers)."""
         return report.explain(self, verbose=verbose, format=format)
 
-    # ---- running ----------------------------------------------------------------------------------
-    def placeholder_values(self, inputs: Sequence, grad_outputs=None) -> list:
-        """The global value of every placeholder: state, inputs and (training) incoming gradients."""
+    # ---- running ---------------------------------------------------------------------------------
+    def placeholder_values(self, inputs: Sequence, grad_outputs: Sequence | None = None) -> list:
+        """The global value of every placeholder: state, inputs and (training) incoming
+        gradients."""
         vals = []
         for p in self.placeholders:
             rec = info(p)
@@ -135,14 +155,19 @@ class ShardedProgram:
         return vals
 
     @staticmethod
-    def grad_output(i: int, val, grad_outputs) -> torch.Tensor:
+    def grad_output(i: int, val: torch.Tensor, grad_outputs: Sequence | None) -> torch.Tensor:
         if grad_outputs is not None:
             g = grad_outputs[i] if isinstance(grad_outputs, (tuple, list)) else grad_outputs
             if tuple(g.shape) != tuple(val.shape):
-                raise ValueError(f"grad_outputs[{i}] has shape {tuple(g.shape)}, output {i} has {tuple(val.shape)}")
+                raise ValueError(
+                    f"grad_outputs[{i}] has shape {tuple(g.shape)}, output {i} has "
+                    f"{tuple(val.shape)}"
+                )
             return g
         if val.numel() != 1:
-            raise ValueError(f"output {i} of shape {tuple(val.shape)} is not a scalar loss: pass grad_outputs=")
+            raise ValueError(
+                f"output {i} of shape {tuple(val.shape)} is not a scalar loss: pass grad_outputs="
+            )
         return torch.ones((), dtype=val.dtype).reshape(val.shape)
 
     @property
@@ -153,14 +178,16 @@ class ShardedProgram:
         """What each flat output is: ("output", i), ("grad_param", fqn) or ("grad_input", i)."""
         return output_roles(self._output_node())
 
-    def simulate(self, *inputs, grad_outputs=None):
+    def simulate(self, *inputs, grad_outputs: Sequence | None = None):
         """Run every rank in one process (exact collectives); returns the global outputs.
 
         Training programs return ``(outputs, grads)``: ``grads[fqn]`` is every parameter's global
         gradient (``grads["input:<i>"]`` for inputs that require grad).  A scalar output is seeded
         with 1; otherwise pass ``grad_outputs`` (one per differentiable output)."""
         if len(inputs) != self.captured.num_inputs:
-            raise TypeError(f"this program takes {self.captured.num_inputs} inputs, got {len(inputs)}")
+            raise TypeError(
+                f"this program takes {self.captured.num_inputs} inputs, got {len(inputs)}"
+            )
         if not self.training:
             return self.restructure(self.simulate_placeholders(self.placeholder_values(inputs)))
         flat = self.simulate_placeholders(self.placeholder_values(inputs, grad_outputs))
@@ -183,16 +210,23 @@ class ShardedProgram:
 
     def simulate_placeholders(self, values: Sequence) -> list:
         """Simulate on the global value of every placeholder (parameters included); flat outputs."""
-        unbound = self.local_graph  # lower outside the simulation (tracing must not see LocalTensorMode)
+        unbound = (
+            self.local_graph
+        )  # lower outside the simulation (tracing must not see LocalTensorMode)
         with SimulatedMesh(self.mesh.shape, self.mesh.names) as sim:
             local = bind_groups(unbound, group_names(sim.device_mesh))
-            args = [sim.distribute(v.detach(), info(p).spec) for p, v in zip(self.placeholders, values)]
+            args = [
+                sim.distribute(v.detach(), info(p).spec) for p, v in zip(self.placeholders, values)
+            ]
             outs = local(coordinate_tensor(sim.device_mesh), *args)
             flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            return [sim.assemble(o, s) if s is not None else o for o, s in zip(flat, self.output_specs)]
+            return [
+                sim.assemble(o, s) if s is not None else o for o, s in zip(flat, self.output_specs)
+            ]
 
     def restructure(self, flat: list):
-        """Flat (forward) outputs in the structure the model returns (its pytree: dicts, tuples...)."""
+        """Flat (forward) outputs in the structure the model returns (its pytree: dicts,
+        tuples...)."""
         spec = self.captured.out_spec
         if spec is not None and spec.num_leaves == len(flat):
             return tree_unflatten(list(flat), spec)
@@ -201,8 +235,9 @@ class ShardedProgram:
             return type(structure)(flat) if len(flat) > 1 else flat[0]
         return flat[0]
 
-    def compile(self, device_mesh=None, *, inductor: bool = True):
-        """This rank's program, compiled by Inductor (``inductor=False``: the per-rank graph run eagerly).
+    def compile(self, device_mesh: DeviceMesh | None = None, *, inductor: bool = True):
+        """This rank's program, compiled by Inductor (``inductor=False``: the per-rank graph run
+        eagerly).
 
         Needs an initialised process group and a ``DeviceMesh`` of the program's shape (the one
         given to ``fxshard.shard``, or ``device_mesh``).  The result takes the global inputs (each
@@ -213,8 +248,13 @@ class ShardedProgram:
 
         dm = device_mesh if device_mesh is not None else self.device_mesh
         if dm is None:
-            raise ValueError("ShardedProgram.compile needs a DeviceMesh: shard with one, or pass compile(device_mesh)")
-        if self.training:  # fn(*inputs, grad_outputs=None) -> (outputs, {fqn: local gradient shard})
+            raise ValueError(
+                "ShardedProgram.compile needs a DeviceMesh: shard with one, or pass "
+                "compile(device_mesh)"
+            )
+        if (
+            self.training
+        ):  # fn(*inputs, grad_outputs=None) -> (outputs, {fqn: local gradient shard})
             return CompiledTraining(self, dm, inductor=inductor)
         return CompiledProgram(self, dm, inductor=inductor)
 

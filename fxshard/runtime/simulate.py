@@ -43,13 +43,19 @@ class SimulatedMesh:
         if dist.is_initialized():
             if dist.get_world_size() != self.world or dist.get_backend() != "fake":
                 raise RuntimeError(
-                    f"simulating a {self.world}-rank mesh needs the default process group to be a fake "
-                    f"one of that size; a {dist.get_backend()} group of {dist.get_world_size()} exists")
+                    f"simulating a {self.world}-rank mesh needs the default process group to be a "
+                    "fake "
+                    f"one of that size; a {dist.get_backend()} group of {dist.get_world_size()} "
+                    "exists"
+                )
         else:
             dist.init_process_group("fake", rank=0, world_size=self.world)
             self._owns_pg = True
         self.device_mesh = init_device_mesh("cpu", self.shape, mesh_dim_names=self.names)
-        self.coords = {r: tuple(int(c) for c in (self.device_mesh.mesh == r).nonzero()[0]) for r in range(self.world)}
+        self.coords = {
+            r: tuple(int(c) for c in (self.device_mesh.mesh == r).nonzero()[0])
+            for r in range(self.world)
+        }
         self._mode = local_tensor_mode(self.world)
         self._mode.__enter__()
         return self
@@ -61,10 +67,12 @@ class SimulatedMesh:
         return False
 
     # ---- conversions --------------------------------------------------------------------------
-    def distribute(self, full: torch.Tensor, spec: ShardingSpec, *, partial_seed: int | None = None):
-        """Every rank's shard of ``full``.  Partial dims: by default rank 0 of the dim holds the value
-        (the rest zeros / copies); with ``partial_seed`` the value is split into random addends, so
-        that a reduction really has something to add up."""
+    def distribute(
+        self, full: torch.Tensor, spec: ShardingSpec, *, partial_seed: int | None = None
+    ):
+        """Every rank's shard of ``full``.  Partial dims: by default rank 0 of the dim holds the
+        value (the rest zeros / copies); with ``partial_seed`` the value is split into random
+        addends, so that a reduction really has something to add up."""
         locals_ = {}
         with self._mode.disable():
             gen = torch.Generator().manual_seed(partial_seed) if partial_seed is not None else None
@@ -73,33 +81,45 @@ class SimulatedMesh:
             ops = set(spec.partials.values())
             if gen is not None and pdims and ops <= {"sum", "avg"}:
                 groups = math.prod(self.shape[m] for m in pdims)
-                noise = [torch.randn(full.shape, generator=gen, dtype=torch.float32).to(full.dtype)
-                         for _ in range(groups - 1)]
+                noise = [
+                    torch.randn(full.shape, generator=gen, dtype=torch.float32).to(full.dtype)
+                    for _ in range(groups - 1)
+                ]
                 parts = noise + [full - sum(noise)] if noise else [full]
                 # avg dims average their addends: scale so the weighted sum is the value
-                avg_share = math.prod(self.shape[m] for m, op in spec.partials.items() if op == "avg")
+                avg_share = math.prod(
+                    self.shape[m] for m, op in spec.partials.items() if op == "avg"
+                )
                 parts = [p * avg_share for p in parts]
             for r, c in self.coords.items():
                 if parts is not None:
                     j = 0
                     for m in pdims:
                         j = j * self.shape[m] + c[m]
-                    unsharded = ShardingSpec.make(self.spec, [p if not isinstance(p, Partial) else Replicate()
-                                                              for p in spec.placements],
-                                                  spec.shape, spec.dtype, spec.shard_order)
+                    unsharded = ShardingSpec.make(
+                        self.spec,
+                        [p if not isinstance(p, Partial) else Replicate() for p in spec.placements],
+                        spec.shape,
+                        spec.dtype,
+                        spec.shard_order,
+                    )
                     locals_[r] = unsharded.shard_full(parts[j], c)
                 else:
                     locals_[r] = spec.shard_full(full, c)
         return make_local_tensor(locals_)
 
-    def assemble(self, local, spec: ShardingSpec, *, check_replicas: bool = True) -> torch.Tensor:
+    def assemble(
+        self, local: torch.Tensor, spec: ShardingSpec, *, check_replicas: bool = True
+    ) -> torch.Tensor:
         """The global tensor a set of per-rank shards represents (partial dims reduced)."""
         vals = local_tensor_values(local, self.world)
         with self._mode.disable():
             return assemble(vals, spec, self.coords, check_replicas=check_replicas)
 
 
-def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=True) -> torch.Tensor:
+def assemble(
+    vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas: bool = True
+) -> torch.Tensor:
     mesh_shape = spec.mesh.shape
     pdims = [m for m, p in enumerate(spec.placements) if isinstance(p, Partial)]
     op = spec.partial_op
@@ -110,12 +130,21 @@ def assemble(vals: dict, spec: ShardingSpec, coords: dict, *, check_replicas=Tru
         local = vals[r]
         expect = spec.local_shape(c)
         if tuple(local.shape) != expect:
-            raise AssertionError(f"rank {r} at {c}: local shape {tuple(local.shape)}, spec {spec} wants {expect}")
+            raise AssertionError(
+                f"rank {r} at {c}: local shape {tuple(local.shape)}, spec {spec} wants {expect}"
+            )
         idx = [spec.local_indices(c, d) for d in range(len(spec.shape))]
         if key not in addends:
-            addends[key] = (torch.zeros(spec.shape, dtype=local.dtype), torch.zeros(spec.shape, dtype=torch.bool))
+            addends[key] = (
+                torch.zeros(spec.shape, dtype=local.dtype),
+                torch.zeros(spec.shape, dtype=torch.bool),
+            )
         full, seen = addends[key]
-        grid = torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in idx], indexing="ij") if idx else ()
+        grid = (
+            torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in idx], indexing="ij")
+            if idx
+            else ()
+        )
         if check_replicas:
             prev = full[grid] if idx else full
             was = seen[grid] if idx else seen

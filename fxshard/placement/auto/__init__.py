@@ -59,9 +59,11 @@ def check_budget(fg: FactorGraph, budget: float | None) -> None:
         what += " + saved activations"
     need = fg.report.min_memory_bytes
     raise AutoInfeasible(
-        f"memory_budget {size_text(budget)} per rank is too small: the {what} need at least {size_text(need)} "
+        f"memory_budget {size_text(budget)} per rank is too small: the {what} need at least "
+        f"{size_text(need)} "
         f"per rank even when sharded as far as mesh {fg.mesh.shape} and the fixed placements allow "
-        f"({size_text(need - budget)} over); raise the budget or use a larger mesh")
+        f"({size_text(need - budget)} over); raise the budget or use a larger mesh"
+    )
 
 
 def objective(fg: FactorGraph, choice: Sequence[int]) -> float:
@@ -95,22 +97,34 @@ def solve(fg: FactorGraph) -> list[int]:
                 memory[v] = memory_of[v][keep[v]]
         sub_factors = {(u, v): t[keep[u]][:, keep[v]] for (u, v), t in factors.items()}
         fg.report.pruned_states = sum(len(unary[v]) - len(keep[v]) for v in core)
-        for v, s in solve_ilp(core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report).items():
+        for v, s in solve_ilp(
+            core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report
+        ).items():
             choice[v] = int(keep[v][s])
     t2 = time.perf_counter()
     backtrack(eliminated, unary, choice)
     fg.report.times["dp"] = (t1 - t0) + (time.perf_counter() - t2)
     fg.report.times["ilp"] = t2 - t1
     fg.report.objective_us = objective(fg, choice)
-    fg.report.memory_bytes = sum(float(v.memory[choice[i]]) for i, v in enumerate(fg.vars) if v.memory is not None)
+    fg.report.memory_bytes = sum(
+        float(v.memory[choice[i]]) for i, v in enumerate(fg.vars) if v.memory is not None
+    )
     if not math.isfinite(fg.report.objective_us):
-        raise AutoInfeasible("plan='auto' found no plan with finite cost: a fixed placement cannot be reached "
-                             "by any redistribution (see the warnings)")
+        raise AutoInfeasible(
+            "plan='auto' found no plan with finite cost: a fixed placement cannot be reached "
+            "by any redistribution (see the warnings)"
+        )
     return choice
 
 
-def annotate_auto(gm: fx.GraphModule, problem: PlacementProblem, *, options: AutoOptions | None = None,
-                  blocks: Sequence = (), training: bool = False) -> tuple[list[str], AutoReport]:
+def annotate_auto(
+    gm: fx.GraphModule,
+    problem: PlacementProblem,
+    *,
+    options: AutoOptions | None = None,
+    blocks: Sequence = (),
+    training: bool = False,
+) -> tuple[list[str], AutoReport]:
     """``annotate`` for ``plan="auto"``: every node's placement from one global solve."""
     t0 = time.perf_counter()
     fg = FactorGraph(gm, problem, options or AutoOptions(), blocks=blocks, training=training)

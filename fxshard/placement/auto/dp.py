@@ -17,13 +17,15 @@ import torch
 def neighbours(nv: int, factors: dict) -> list[dict[int, tuple]]:
     """Per variable: {neighbour: the factor's key}."""
     nbrs: list[dict[int, tuple]] = [dict() for _ in range(nv)]
-    for (u, v) in factors:
+    for u, v in factors:
         nbrs[u][v] = (u, v)
         nbrs[v][u] = (u, v)
     return nbrs
 
 
-def eliminate(unary: list[torch.Tensor], factors: dict, protected: set[int]) -> tuple[list, list[bool], list]:
+def eliminate(
+    unary: list[torch.Tensor], factors: dict, protected: set[int]
+) -> tuple[list, list[bool], list]:
     """Eliminate every unprotected variable of degree <= 2, smallest index first, in place on
     ``unary`` and ``factors``.  Returns (eliminated: [(var, kind, data)] in order, alive flags,
     neighbours of what is left)."""

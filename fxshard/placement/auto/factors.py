@@ -45,15 +45,24 @@ class _Var:
         self.memory = None
         self.fixed = False  # a single state given by the user
         self.nodes = [node]  # every node taking this decision
-        self.derived = None  # (root variable, this var's state per root state): it follows its input
+        self.derived = (
+            None  # (root variable, this var's state per root state): it follows its input
+        )
 
 
 class FactorGraph:
     """Variables (one per decision), their states' unary costs and memory, and pairwise factors
     (redistribution costs on data edges), built from the placement problem of one graph."""
 
-    def __init__(self, gm: fx.GraphModule, problem: PlacementProblem, options: AutoOptions, *,
-                 blocks: Sequence = (), training: bool = False):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        problem: PlacementProblem,
+        options: AutoOptions,
+        *,
+        blocks: Sequence = (),
+        training: bool = False,
+    ):
         self.gm, self.p, self.opt = gm, problem, options
         self.mesh, self.cm, self.cons = problem.mesh, problem.cm, problem.cons
         self.fuse = problem.multi_dim
@@ -65,7 +74,9 @@ class FactorGraph:
         self._by_shape: dict[tuple, list[int]] = {}  # (shape, dtype) -> spec ids
         self._searched: set[int] = set()  # spec ids whose costs to their group are known
         self._resolved: dict[tuple, tuple] = {}  # resolve() per (variable, output index, follows)
-        self._tables: dict[tuple, tuple[dict, torch.Tensor]] = {}  # (shape, dtype) -> (spec id -> row, costs)
+        self._tables: dict[
+            tuple, tuple[dict, torch.Tensor]
+        ] = {}  # (shape, dtype) -> (spec id -> row, costs)
         self.vars: list[_Var] = []
         self.var_of: dict[fx.Node, int] = {}
         self.factors: dict[tuple[int, int], torch.Tensor] = {}
@@ -83,7 +94,9 @@ class FactorGraph:
     def cost(self, a: int, b: int) -> float:
         if a == b:
             return 0.0
-        if a < 0 or b < 0:  # an output without placement (never read: see leaves_used_output_unplaced)
+        if (
+            a < 0 or b < 0
+        ):  # an output without placement (never read: see leaves_used_output_unplaced)
             return INF
         c = self._cost.get((a, b))
         if c is None:
@@ -120,13 +133,17 @@ class FactorGraph:
         group = self._by_shape.get((sa.shape, sa.dtype), [])
         try:
             if not any(b in self._searched for b in group):
-                table = pairwise_costs([self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse)
+                table = pairwise_costs(
+                    [self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse
+                )
                 self._searched.update(group)
                 self._tables[(sa.shape, sa.dtype)] = ({b: i for i, b in enumerate(group)}, table)
                 return
             self._searched.add(a)
             others = [b for b in group if b != a]
-            costs = costs_from(sa, [self.specs[b] for b in others], self.cm, even_only=True, fuse=self.fuse)
+            costs = costs_from(
+                sa, [self.specs[b] for b in others], self.cm, even_only=True, fuse=self.fuse
+            )
         except (ValueError, NotImplementedError):
             self._searched.add(a)
             return  # pair by pair (unreachable targets cost INF there)
@@ -157,7 +174,11 @@ class FactorGraph:
         p, idx = self.producer(a)
         v = self.var_of[p]
         var = self.vars[v]
-        key = (v, idx, var.derived is not None)  # a variable's states are fixed; it may come to follow once
+        key = (
+            v,
+            idx,
+            var.derived is not None,
+        )  # a variable's states are fixed; it may come to follow once
         hit = self._resolved.get(key)
         if hit is None:
             if var.derived is not None:
@@ -177,7 +198,12 @@ class FactorGraph:
         self._followed.add(v)
         var = self.vars[v]
         n = var.node
-        if n is None or n.op != "call_function" or info(n).kind == NodeKind.BOUNDARY or len(var.states) < 2:
+        if (
+            n is None
+            or n.op != "call_function"
+            or info(n).kind == NodeKind.BOUNDARY
+            or len(var.states) < 2
+        ):
             return
         firsts = []
         for x in var.nodes:
@@ -209,13 +235,17 @@ class FactorGraph:
         if not opts.free:
             return [opts.requested]
         val = node.meta["val"]
-        fixed = {m: opts.requested.placements[m] for m in range(self.mesh.ndim) if m not in opts.free}
+        fixed = {
+            m: opts.requested.placements[m] for m in range(self.mesh.ndim) if m not in opts.free
+        }
         specs = self.p.even_options(val, fixed)
         if not specs:
             rec = info(node)
             want = opts.requested.placements[self.cons.dim]
-            raise AutoInfeasible(f"{opts.provenance} asks for {want} on {rec.fqn} of shape {tuple(val.shape)}, "
-                                 f"which mesh {self.mesh.shape} does not divide evenly")
+            raise AutoInfeasible(
+                f"{opts.provenance} asks for {want} on {rec.fqn} of shape {tuple(val.shape)}, "
+                f"which mesh {self.mesh.shape} does not divide evenly"
+            )
         return specs
 
     def _op_states(self, node: fx.Node) -> tuple[list, str]:
@@ -256,19 +286,28 @@ class FactorGraph:
                 want = self.p.boundary_requirement(n)
                 opts = self.p.even_options(n.meta["val"], {self.cons.dim: want[0]})
                 if not opts:
-                    raise AutoInfeasible(f"{want[1]} asks for {want[0]} at {tag}, which does not divide shape "
-                                         f"{tuple(n.meta['val'].shape)} evenly on mesh {self.mesh.shape}")
+                    raise AutoInfeasible(
+                        f"{want[1]} asks for {want[0]} at {tag}, which does not divide shape "
+                        f"{tuple(n.meta['val'].shape)} evenly on mesh {self.mesh.shape}"
+                    )
                 v = self._new_var(n, [((self.sid(s),), (self.sid(s),)) for s in opts])
                 self.provenance[v] = f"{want[1]} ({tag.split(':', 1)[1]}) + auto"
                 rec.module = tag.split(":")[0]
             else:
                 raw, prov = self._op_states(n)
-                states = [(tuple(self.sid(s) for s in ins), tuple(-1 if s is None else self.sid(s) for s in outs))
-                          for ins, outs in raw]
+                states = [
+                    (
+                        tuple(self.sid(s) for s in ins),
+                        tuple(-1 if s is None else self.sid(s) for s in outs),
+                    )
+                    for ins, outs in raw
+                ]
                 v = self._new_var(n, states)
                 self.provenance[v] = prov
         self.share = share
-        for n in shared:  # later layers (and their backward, which runs first) take the first layer's
+        for (
+            n
+        ) in shared:  # later layers (and their backward, which runs first) take the first layer's
             v = self.var_of[share[n]]
             self.var_of[n] = v
             self.vars[v].nodes.append(n)
@@ -278,9 +317,18 @@ class FactorGraph:
         for var in self.vars:
             n = var.node
             if self.opt.compute and n.op == "call_function" and info(n).kind != NodeKind.BOUNDARY:
-                comp[n] = torch.tensor([compute_us(n, [self.specs[i] for i in ins],
-                                                   [self.specs[i] for i in outs if i >= 0], self.cm)
-                                        for ins, outs in var.states], dtype=torch.float64)
+                comp[n] = torch.tensor(
+                    [
+                        compute_us(
+                            n,
+                            [self.specs[i] for i in ins],
+                            [self.specs[i] for i in outs if i >= 0],
+                            self.cm,
+                        )
+                        for ins, outs in var.states
+                    ],
+                    dtype=torch.float64,
+                )
         self._followed: set[int] = set()
         if self.opt.follow:
             by_pos = sorted(range(len(self.vars)), key=lambda i: self._order[self.vars[i].node])
@@ -305,12 +353,22 @@ class FactorGraph:
     def _table(self, out_ids: list[int], in_ids: list[int]) -> torch.Tensor:
         if out_ids and min(out_ids) >= 0 and out_ids[0] not in self._searched:
             self._costs_from(out_ids[0])  # the value's whole table, computed once
-        key = (self.specs[out_ids[0]].shape, self.specs[out_ids[0]].dtype) if out_ids and out_ids[0] >= 0 else None
+        key = (
+            (self.specs[out_ids[0]].shape, self.specs[out_ids[0]].dtype)
+            if out_ids and out_ids[0] >= 0
+            else None
+        )
         hit = self._tables.get(key)
-        if hit is not None and all(i in hit[0] for i in out_ids) and all(i in hit[0] for i in in_ids):
+        if (
+            hit is not None
+            and all(i in hit[0] for i in out_ids)
+            and all(i in hit[0] for i in in_ids)
+        ):
             pos, t = hit
             o, i = torch.tensor(out_ids), torch.tensor(in_ids)
-            sub = t[torch.tensor([pos[a] for a in out_ids])][:, torch.tensor([pos[b] for b in in_ids])]
+            sub = t[torch.tensor([pos[a] for a in out_ids])][
+                :, torch.tensor([pos[b] for b in in_ids])
+            ]
             return sub.masked_fill(o[:, None] == i[None, :], 0.0)
         uo = sorted(set(out_ids))
         ui = sorted(set(in_ids))
@@ -329,7 +387,8 @@ class FactorGraph:
         hub_edges: dict[tuple, int] = {}
         self.hub_nodes: dict[int, list[fx.Node]] = {}
         self._output_roles = []
-        self._fixed_grads = []  # parameters whose gradients are handed back replicated: they still train
+        # parameters whose gradients are handed back replicated: they still train
+        self._fixed_grads = []
         for n in gm.graph.nodes:
             if n.op == "placeholder" or n in self.transparent or n.target is operator.getitem:
                 continue
@@ -340,9 +399,13 @@ class FactorGraph:
             targs = [n.args[0]] if info(n).kind == NodeKind.BOUNDARY else tensor_args(n)
             for j, a in enumerate(targs):
                 p, _ = self.producer(a)
-                if self.opt.activations and self.training and \
-                        n.meta.get("partitioner_tag") == "is_backward" and \
-                        p.meta.get("partitioner_tag") == "is_forward" and p.op != "placeholder":
+                if (
+                    self.opt.activations
+                    and self.training
+                    and n.meta.get("partitioner_tag") == "is_backward"
+                    and p.meta.get("partitioner_tag") == "is_forward"
+                    and p.op != "placeholder"
+                ):
                     saved.add(a)
                 if self.vars[v].derived is not None:
                     continue  # takes its input as it is
@@ -359,14 +422,16 @@ class FactorGraph:
                     u, maps = var.derived
                     self.vars[u].unary += c[maps]
         # A value read by several consumers is redistributed once per placement wanted (the
-        # redistribute pass shares one node per (value, placement)): such a value gets a hub variable,
-        # "the placement it is redistributed to", costed once, from which each consumer's placement
-        # follows (free when it is a local chunk of the hub's, as from Replicate).
+        # redistribute pass shares one node per (value, placement)): such a value gets a hub
+        # variable, "the placement it is redistributed to", costed once, from which each consumer's
+        # placement follows (free when it is a local chunk of the hub's, as from Replicate).
         for (_, u, ids), lst in uses.items():
             if len(lst) < 2:
                 continue
-            want = sorted({st[0][e[3]] for e, _ in lst for st in self.vars[e[2]].states} |
-                          set(i for i in ids if i >= 0))
+            want = sorted(
+                {st[0][e[3]] for e, _ in lst for st in self.vars[e[2]].states}
+                | set(i for i in ids if i >= 0)
+            )
             h = len(self.vars)
             self.vars.append(_Var(None, [((i,), (i,)) for i in want]))
             self.vars[h].nodes = []
@@ -377,7 +442,9 @@ class FactorGraph:
                 edges[e] -= 1
                 hub_edges[(h, e[2], e[3])] = hub_edges.get((h, e[2], e[3]), 0) + 1
         for (h, v, j), k in hub_edges.items():
-            t = self._table([st[1][0] for st in self.vars[h].states], [st[0][j] for st in self.vars[v].states])
+            t = self._table(
+                [st[1][0] for st in self.vars[h].states], [st[0][j] for st in self.vars[v].states]
+            )
             self._add_pair(h, v, t * k)
         for (u, ids, v, j), k in edges.items():
             if k == 0:
@@ -387,13 +454,19 @@ class FactorGraph:
         for (u, ids, want), k in unary_edges.items():
             if want is None:  # hand back usable values: pending reductions finished
                 self.vars[u].unary += k * torch.tensor(
-                    [self.cost(i, self.sid(self.p.reduced(self.specs[i]))) for i in ids], dtype=torch.float64)
+                    [self.cost(i, self.sid(self.p.reduced(self.specs[i]))) for i in ids],
+                    dtype=torch.float64,
+                )
             else:
-                self.vars[u].unary += k * torch.tensor([self.cost(i, want) for i in ids], dtype=torch.float64)
+                self.vars[u].unary += k * torch.tensor(
+                    [self.cost(i, want) for i in ids], dtype=torch.float64
+                )
         for (u, ids, pv), k in grad_edges.items():
             t = self._table(list(ids), [st[1][0] for st in self.vars[pv].states])
             self._add_pair(u, pv, t * k)
-        self._memory({pv for (_, _, pv) in grad_edges} | {self.var_of[p] for p in self._fixed_grads}, saved)
+        self._memory(
+            {pv for (_, _, pv) in grad_edges} | {self.var_of[p] for p in self._fixed_grads}, saved
+        )
 
     def _memory(self, trained: set[int], saved: set[fx.Node]) -> None:
         """Per state: parameters (+ gradients and optimizer states where they train), buffers and
@@ -403,11 +476,15 @@ class FactorGraph:
                 continue
             v = self.var_of[n]
             var = self.vars[v]
-            f = 2 + self.opt.optimizer_states if v in trained else 1  # + gradient + optimizer states
+            f = (
+                2 + self.opt.optimizer_states if v in trained else 1
+            )  # + gradient + optimizer states
             self._add_memory(var, [f * local_bytes(self.specs[st[1][0]]) for st in var.states])
         for a in sorted(saved, key=lambda x: x.name):
             u, ids = self.resolve(a)
-            self._add_memory(self.vars[u], [local_bytes(self.specs[i]) if i >= 0 else 0.0 for i in ids])
+            self._add_memory(
+                self.vars[u], [local_bytes(self.specs[i]) if i >= 0 else 0.0 for i in ids]
+            )
 
     def _add_memory(self, var: _Var, mem: list[float]):
         t = torch.tensor(mem, dtype=torch.float64)
@@ -436,7 +513,7 @@ class FactorGraph:
                 self._output_roles.append(("reduced", (u, idx)))
 
     # ---- write back ----
-    def conditional(self, v: int, choice) -> torch.Tensor:
+    def conditional(self, v: int, choice: Sequence[int]) -> torch.Tensor:
         c = self.vars[v].unary.clone()
         for (a, b), t in self.factors.items():
             if a == v:
@@ -445,15 +522,19 @@ class FactorGraph:
                 c += t[choice[a], :]
         return c
 
-    def apply(self, choice):
+    def apply(self, choice: Sequence[int]) -> None:
         by_node = {}
         choice = list(choice)
-        for i, var in enumerate(self.vars):  # followers take their root's choice (roots are never followers)
+        for i, var in enumerate(
+            self.vars
+        ):  # followers take their root's choice (roots are never followers)
             if var.derived is not None:
                 u, maps = var.derived
                 choice[i] = maps[choice[u]]
         for i, var in enumerate(self.vars):
-            if var.node is None:  # a hub: the redistribute pass routes consumers through it where cheaper
+            if (
+                var.node is None
+            ):  # a hub: the redistribute pass routes consumers through it where cheaper
                 hub = self.specs[var.states[choice[i]][1][0]]
                 for x in self.hub_nodes[i]:
                     info(x).hub = hub
@@ -465,15 +546,31 @@ class FactorGraph:
             elif len(var.states) > 1 and prov.endswith("auto"):
                 cond = self.conditional(i, choice)
                 order = sorted(range(len(var.states)), key=lambda s: (float(cond[s]), s))
-                alt = next((s for s in order if s != choice[i] and math.isfinite(float(cond[s]))), None)
+                alt = next(
+                    (s for s in order if s != choice[i] and math.isfinite(float(cond[s]))), None
+                )
                 if alt is not None:
                     a_out = var.states[alt][1]
-                    a_desc = placements_str(self.specs[a_out[0]].placements) if a_out and a_out[0] >= 0 else "-"
-                    a_in = ",".join(placements_str(self.specs[x].placements) for x in var.states[alt][0])
+                    a_desc = (
+                        placements_str(self.specs[a_out[0]].placements)
+                        if a_out and a_out[0] >= 0
+                        else "-"
+                    )
+                    a_in = ",".join(
+                        placements_str(self.specs[x].placements) for x in var.states[alt][0]
+                    )
                     delta = float(cond[alt]) - float(cond[choice[i]])
-                    prov = f"{prov}; runner-up {a_desc}" + (f" from {a_in}" if a_in else "") + f" +{delta:.2f} us"
+                    prov = (
+                        f"{prov}; runner-up {a_desc}"
+                        + (f" from {a_in}" if a_in else "")
+                        + f" +{delta:.2f} us"
+                    )
             for k, n in enumerate(var.nodes):
-                by_node[n] = (ins, outs, prov if k == 0 else f"{prov} (shared with {var.nodes[0].name})")
+                by_node[n] = (
+                    ins,
+                    outs,
+                    prov if k == 0 else f"{prov} (shared with {var.nodes[0].name})",
+                )
         for n in self.gm.graph.nodes:
             rec = info(n)
             if n in by_node:
@@ -483,7 +580,9 @@ class FactorGraph:
                     rec.spec = out_specs[0]
                 else:
                     rec.input_specs = tuple(self.specs[i] for i in ins)
-                    rec.spec = out_specs if isinstance(n.meta.get("val"), (tuple, list)) else out_specs[0]
+                    rec.spec = (
+                        out_specs if isinstance(n.meta.get("val"), (tuple, list)) else out_specs[0]
+                    )
                 rec.provenance = prov
             elif n.op == "call_function" and n.target is operator.getitem:
                 parent = info(n.args[0]).spec

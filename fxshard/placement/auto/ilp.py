@@ -22,7 +22,14 @@ from .options import AutoInfeasible, AutoOptions, AutoReport, size_text
 log = logging.getLogger("fxshard")
 
 
-def dominance(core, unary, factors, nbrs, memory_of: dict, budget) -> dict[int, torch.Tensor]:
+def dominance(
+    core: list[int],
+    unary: list[torch.Tensor],
+    factors: dict,
+    nbrs: list[dict],
+    memory_of: dict,
+    budget: float | None,
+) -> dict[int, torch.Tensor]:
     """{var: kept state indices}: a state is dropped when another costs no more on the var's own
     terms (compute, memory when budgeted) and on every edge to every kept neighbour state, since
     switching to it never raises the objective nor breaks the budget.  Exact (the ILP keeps an
@@ -60,7 +67,15 @@ def dominance(core, unary, factors, nbrs, memory_of: dict, budget) -> dict[int, 
     return keep
 
 
-def local_search(core, unary, factors, memory, start, budget, sweeps=20):
+def local_search(
+    core: list[int],
+    unary: list[torch.Tensor],
+    factors: dict,
+    memory: dict,
+    start: dict[int, int],
+    budget: float | None,
+    sweeps: int = 20,
+) -> dict[int, int] | None:
     """Iterated conditional modes from ``start``: each variable in turn takes its cheapest state
     given its neighbours', within the budget; first, while over budget, the swaps that save the
     most memory per unit of cost.  None when no state meets the budget."""
@@ -86,7 +101,9 @@ def local_search(core, unary, factors, memory, start, budget, sweeps=20):
             ok = saved > 0
             if not bool(ok.any()):
                 continue
-            rate = torch.where(ok, (c - c[cur[v]]) / saved.clamp(min=1e-9), torch.full_like(c, math.inf))
+            rate = torch.where(
+                ok, (c - c[cur[v]]) / saved.clamp(min=1e-9), torch.full_like(c, math.inf)
+            )
             s = int(rate.argmin())
             if best is None or float(rate[s]) < best[0]:
                 best = (float(rate[s]), v, s)
@@ -120,7 +137,8 @@ class _Model:
     n: int  # columns
     nx: int  # indicator columns (the first ones)
     col_of: dict  # core variable -> its first indicator column
-    classes: list  # per edge: (u, v, first marginal column, #col classes, row class per u state, col class...)
+    # per edge: (u, v, first marginal column, #col classes, row class per u state, col class per v)
+    classes: list
     costs: object
     ub: object
     nrow: int
@@ -160,11 +178,20 @@ def _build(core, unary, factors, memory, budget) -> _Model:
         classes.append((u, v, n, nc, rinv, cinv))
         cost_parts.append(ck.reshape(-1).numpy())
         y = n + np.arange(nr * nc).reshape(nr, nc)
-        # sum_j y[i, j] = sum of x[u, a] over row class i;  sum_i y[i, j] = sum of x[v, b] over col class j
-        r_idx += [np.repeat(nrow + np.arange(nr), nc), nrow + rinv,
-                  np.repeat(nrow + nr + np.arange(nc), nr), nrow + nr + cinv]
-        c_idx += [y.reshape(-1), col_of[u] + np.arange(len(rinv)),
-                  y.T.reshape(-1), col_of[v] + np.arange(len(cinv))]
+        # sum_j y[i, j] = sum of x[u, a] over row class i;  sum_i y[i, j] = sum of x[v, b] over col
+        # class j
+        r_idx += [
+            np.repeat(nrow + np.arange(nr), nc),
+            nrow + rinv,
+            np.repeat(nrow + nr + np.arange(nc), nr),
+            nrow + nr + cinv,
+        ]
+        c_idx += [
+            y.reshape(-1),
+            col_of[u] + np.arange(len(rinv)),
+            y.T.reshape(-1),
+            col_of[v] + np.arange(len(cinv)),
+        ]
         vals += [np.ones(nr * nc), -np.ones(len(rinv)), np.ones(nr * nc), -np.ones(len(cinv))]
         lo.append(np.zeros(nr + nc))
         hi.append(np.zeros(nr + nc))
@@ -174,7 +201,9 @@ def _build(core, unary, factors, memory, budget) -> _Model:
         mv = [v for v in core if v in memory]
         r_idx.append(np.full(sum(len(memory[v]) for v in mv), nrow))
         c_idx += [np.arange(col_of[v], col_of[v] + len(memory[v])) for v in mv]
-        vals += [memory[v].numpy() / 2**20 for v in mv]  # MiB: bytes would make the row badly scaled
+        vals += [
+            memory[v].numpy() / 2**20 for v in mv
+        ]  # MiB: bytes would make the row badly scaled
         lo.append(np.array([-highspy.kHighsInf]))
         hi.append(np.array([float(budget) / 2**20]))
         nrow += 1
@@ -184,8 +213,20 @@ def _build(core, unary, factors, memory, budget) -> _Model:
     r_idx, c_idx, vals = np.concatenate(r_idx), np.concatenate(c_idx), np.concatenate(vals)
     order = np.argsort(r_idx, kind="stable")
     starts = np.searchsorted(r_idx[order], np.arange(nrow)).astype(np.int32)
-    return _Model(n, nx, col_of, classes, costs, ub, nrow, np.concatenate(lo), np.concatenate(hi), starts,
-                  c_idx[order].astype(np.int32), vals[order].astype(np.float64))
+    return _Model(
+        n,
+        nx,
+        col_of,
+        classes,
+        costs,
+        ub,
+        nrow,
+        np.concatenate(lo),
+        np.concatenate(hi),
+        starts,
+        c_idx[order].astype(np.int32),
+        vals[order].astype(np.float64),
+    )
 
 
 def _highs(model: _Model, options: AutoOptions):
@@ -198,15 +239,26 @@ def _highs(model: _Model, options: AutoOptions):
     h.setOptionValue("threads", 1)
     h.setOptionValue("time_limit", float(options.time_limit_s))
     h.setOptionValue("mip_rel_gap", float(options.mip_gap))
-    h.addCols(model.n, model.costs, np.zeros(model.n), model.ub, 0, np.array([], dtype=np.int32),
-              np.array([], dtype=np.int32), np.array([]))
-    h.addRows(model.nrow, model.lo, model.hi, len(model.index), model.starts, model.index, model.values)
+    h.addCols(
+        model.n,
+        model.costs,
+        np.zeros(model.n),
+        model.ub,
+        0,
+        np.array([], dtype=np.int32),
+        np.array([], dtype=np.int32),
+        np.array([]),
+    )
+    h.addRows(
+        model.nrow, model.lo, model.hi, len(model.index), model.starts, model.index, model.values
+    )
     return h
 
 
 def _objective(core, unary, factors, choice) -> float:
-    return sum(float(unary[v][choice[v]]) for v in core) + \
-        sum(float(t[choice[u], choice[v]]) for (u, v), t in factors.items())
+    return sum(float(unary[v][choice[v]]) for v in core) + sum(
+        float(t[choice[u], choice[v]]) for (u, v), t in factors.items()
+    )
 
 
 def _relaxation(h, model, core, unary, factors, memory, budget, report):
@@ -239,8 +291,11 @@ def _branch_and_bound(h, model, core, start, options, time_left: float):
     h.setOptionValue("solve_relaxation", False)
     h.setOptionValue("presolve", "choose")
     h.setOptionValue("time_limit", max(1.0, time_left))  # one time limit for both solves together
-    h.changeColsIntegrality(model.nx, np.arange(model.nx, dtype=np.int32),
-                            np.array([highspy.HighsVarType.kInteger] * model.nx))
+    h.changeColsIntegrality(
+        model.nx,
+        np.arange(model.nx, dtype=np.int32),
+        np.array([highspy.HighsVarType.kInteger] * model.nx),
+    )
     if start is not None:
         x0 = np.zeros(model.n)
         for v in core:
@@ -252,7 +307,15 @@ def _branch_and_bound(h, model, core, start, options, time_left: float):
     return h.getModelStatus()
 
 
-def solve_ilp(core, unary, factors, memory, budget, options: AutoOptions, report: AutoReport) -> dict[int, int]:
+def solve_ilp(
+    core: list[int],
+    unary: list[torch.Tensor],
+    factors: dict,
+    memory: dict,
+    budget: float | None,
+    options: AutoOptions,
+    report: AutoReport,
+) -> dict[int, int]:
     """{core variable: chosen state}: the rounded LP where it is within ``mip_gap`` of the bound,
     else branch and bound.  Raises ``AutoInfeasible`` when nothing meets the budget."""
     import highspy
@@ -267,24 +330,37 @@ def solve_ilp(core, unary, factors, memory, budget, options: AutoOptions, report
         report.ilp_rounded = True
         return dict(start)
     if status != highspy.HighsModelStatus.kInfeasible:
-        status = _branch_and_bound(h, model, core, start, options,
-                                   float(options.time_limit_s) - (time.perf_counter() - t_lp))
+        status = _branch_and_bound(
+            h,
+            model,
+            core,
+            start,
+            options,
+            float(options.time_limit_s) - (time.perf_counter() - t_lp),
+        )
         report.ilp_gap = h.getInfo().mip_gap
     if status == highspy.HighsModelStatus.kInfeasible:
         raise AutoInfeasible(
-            f"plan='auto': no plan meets memory_budget {size_text(budget)} per rank together with the fixed "
-            f"placements (sharding each parameter as far as it goes needs {size_text(report.min_memory_bytes)},"
+            f"plan='auto': no plan meets memory_budget {size_text(budget)} per rank together with "
+            "the fixed "
+            "placements (sharding each parameter as far as it goes needs "
+            f"{size_text(report.min_memory_bytes)},"
             f" but the fixed placements and sharding rules rule out reaching it everywhere)"
-            if budget is not None else "plan='auto': the fixed placements admit no plan")
+            if budget is not None
+            else "plan='auto': the fixed placements admit no plan"
+        )
     sol = h.getSolution().col_value
     if status != highspy.HighsModelStatus.kOptimal:
         if not sol or h.getInfo().mip_gap == highspy.kHighsInf:
             raise RuntimeError(f"plan='auto': HiGHS stopped with {status} before finding a plan")
-        log.warning("fxshard auto: HiGHS stopped with %s (gap %.3g); using its best plan", status,
-                    h.getInfo().mip_gap)
+        log.warning(
+            "fxshard auto: HiGHS stopped with %s (gap %.3g); using its best plan",
+            status,
+            h.getInfo().mip_gap,
+        )
     choice = {}
     for v in core:
         n = len(unary[v])
-        xs = sol[model.col_of[v]:model.col_of[v] + n]
+        xs = sol[model.col_of[v] : model.col_of[v] + n]
         choice[v] = max(range(n), key=lambda s: xs[s])
     return choice

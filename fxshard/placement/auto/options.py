@@ -1,4 +1,5 @@
-"""What ``plan="auto"`` takes (``AutoOptions``), reports (``AutoReport``) and raises (``AutoInfeasible``)."""
+"""What ``plan="auto"`` takes (``AutoOptions``), reports (``AutoReport``) and raises
+(``AutoInfeasible``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ class AutoOptions:
     and ``optimizer_states`` copies (Adam: 2), plus (``activations=True``, training) the forward
     values the backward reads.  ``compute``: add modelled compute time to the objective (without
     it, replicating everything costs nothing).  ``share_layers``: identical repeated layers take one
-    decision.  ``follow``: an op with one tensor input takes its input's placement as it is where its
-    rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
+    decision.  ``follow``: an op with one tensor input takes its input's placement as it is where
+    its rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
     ``time_limit_s``: HiGHS's limit for the cross-edge integer program; ``mip_gap``: the relative
     gap at which it stops (the plan is then within that fraction of the modelled optimum)."""
 
@@ -49,12 +50,17 @@ class AutoReport:
 
     def __str__(self) -> str:
         t = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in self.times.items())
-        return (f"auto: {self.nodes} nodes -> {self.variables} decisions ({self.shared_layers} layers shared, "
-                f"{self.followed} ops follow their input), "
-                f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.pruned_states} dominated "
-                f"states dropped, {self.ilp_columns} columns, "
-                f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}); "
-                f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per rank; {t}")
+        return (
+            f"auto: {self.nodes} nodes -> {self.variables} decisions ({self.shared_layers} layers "
+            "shared, "
+            f"{self.followed} ops follow their input), "
+            f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.pruned_states} "
+            "dominated "
+            f"states dropped, {self.ilp_columns} columns, "
+            f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}); "
+            f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per "
+            f"rank; {t}"
+        )
 
 
 class AutoInfeasible(ValueError):
@@ -62,7 +68,7 @@ class AutoInfeasible(ValueError):
 
 
 def size_text(b: float) -> str:
-    for unit, k in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(b) >= k:
             return f"{b / k:.2f} {unit}"
     return f"{b:.0f} B"

@@ -15,11 +15,15 @@ import torch.fx as fx
 from ...ir import BUFFER, CONSTANT, GRAD_TAG, PARAM, NodeKind, arg_key, flat_args, info
 
 
-def layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, list[tuple[list, list]]]:
-    """{first block fqn: [(core nodes, accumulation nodes) of each instance]} from the capture's block
-    markers (forward nodes between a block's input and output boundaries), backward nodes by their
-    forward op (AOT's ``seq_nr``), parameters by FQN prefix; gradient accumulations (no layer's
-    ``seq_nr``) by their most recent input, kept apart since the first and last layers differ there."""
+def layer_instances(
+    gm: fx.GraphModule, blocks: list[list[str]]
+) -> dict[str, list[tuple[list, list]]]:
+    """{first block fqn: [(core nodes, accumulation nodes) of each instance]} from the capture's
+    block markers (forward nodes between a block's input and output boundaries), backward nodes by
+    their forward op (AOT's ``seq_nr``), parameters by FQN prefix; gradient accumulations (no
+    layer's
+    ``seq_nr``) by their most recent input, kept apart since the first and last layers differ
+    there."""
     owner = {f: g[0] for g in blocks for f in g}
     inst_of: dict[fx.Node, str] = {}
     current = None
@@ -74,9 +78,13 @@ def layer_instances(gm: fx.GraphModule, blocks: list[list[str]]) -> dict[str, li
             if f in per:
                 per[f].append(n)
         for f in g:  # parameters first, by their name inside the layer
-            per[f].sort(key=lambda n, f=f: (0, info(n).fqn[len(f):]) if n.op == "placeholder" else (1, 0))
-        out[g[0]] = [([n for n in per[f] if n not in accumulation], [n for n in per[f] if n in accumulation])
-                     for f in g]
+            per[f].sort(
+                key=lambda n, f=f: (0, info(n).fqn[len(f) :]) if n.op == "placeholder" else (1, 0)
+            )
+        out[g[0]] = [
+            ([n for n in per[f] if n not in accumulation], [n for n in per[f] if n in accumulation])
+            for f in g
+        ]
     return out
 
 
@@ -95,7 +103,7 @@ def signature(nodes: list[fx.Node], prefix: str, memo: dict | None = None) -> li
             return ("out", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("out",)
         if isinstance(a, str):
             if a.startswith(prefix + ":"):
-                return a[len(prefix):]
+                return a[len(prefix) :]
             if a.startswith(GRAD_TAG):
                 return GRAD_TAG
             return a
@@ -110,10 +118,17 @@ def signature(nodes: list[fx.Node], prefix: str, memo: dict | None = None) -> li
         static = memo.get(n)
         if static is None:
             v = n.meta.get("val")
-            shape = tuple((tuple(x.shape), x.dtype) for x in flat_args(v) if isinstance(x, torch.Tensor))
+            shape = tuple(
+                (tuple(x.shape), x.dtype) for x in flat_args(v) if isinstance(x, torch.Tensor)
+            )
             rec = info(n)
-            static = memo[n] = (n.op, str(n.target) if n.op == "call_function" else None, rec.kind,
-                                rec.fqn[len(prefix):] if rec.fqn else None, shape)
+            static = memo[n] = (
+                n.op,
+                str(n.target) if n.op == "call_function" else None,
+                rec.kind,
+                rec.fqn[len(prefix) :] if rec.fqn else None,
+                shape,
+            )
         sig.append((static, arg_key((n.args, n.kwargs), arg)))
     return sig
 
