@@ -99,9 +99,8 @@ def main():
         hand, _, _ = run(model, tokens, mesh, zoo.megatron_tp_plan())
         hf, _, _ = run(model, tokens, mesh, zoo.megatron_tp_plan(), edit=fsdp)
         ch, cf = hand.modelled_cost(), hf.modelled_cost()
-        budget = (
-            cf["state_bytes"] * 4
-        )  # parameters + gradients + Adam's two states, as FSDP+TP holds them
+        # parameters + gradients + Adam's two states, as FSDP+TP holds them
+        budget = cf["state_bytes"] * 4
         times, caps = [], []
         for _ in range(args.repeat):
             auto, cap_s, plan_s = run(

@@ -204,9 +204,8 @@ def main():
                 with open(os.path.join(args.dump, name), "w") as f:
                     f.write(src)
             rows.append((mode, label, ms, compile_s, counter.n, kernels, colls))
-            anchor = next(
-                r[2] for r in rows if r[0] == mode
-            )  # DTensor + torch.compile, measured first
+            # DTensor + torch.compile, measured first
+            anchor = next(r[2] for r in rows if r[0] == mode)
             print(
                 f"{mode:8} {label:26} {ms:9.2f} {ms / anchor:10.2f} {compile_s:9.1f} "
                 f"{counter.n:11d} "

@@ -271,9 +271,11 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     ``compile_fx_inner``.
 
     Returns ``fn(*args) -> tuple``.  ``example_inputs`` are real or fake tensors of the right
-    shapes, dtypes and devices (contiguous)."""
+    shapes, dtypes and devices (contiguous).  Random ops keep torch's own kernels
+    (``fallback_random``): the program draws what the eager program draws for the same seed."""
     import torch
     from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -283,12 +285,12 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     fakes = [
         fm.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=t.device)) for t in example_inputs
     ]
-    with fm:
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="fake")(
-            *fakes
-        )
-    with tracing(TracingContext(fm)):
-        compiled = compile_fx_inner(decomposed, fakes)
+    with inductor_config.patch(fallback_random=True):
+        with fm:
+            table = select_decomp_table()
+            decomposed = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*fakes)
+        with tracing(TracingContext(fm)):
+            compiled = compile_fx_inner(decomposed, fakes)
 
     def run(*args):
         return compiled(list(args))

@@ -61,6 +61,7 @@ class NodeInfo:
 
     kind: NodeKind = NodeKind.OP
     fqn: str | None = None  # parameters, buffers, constants
+    aliases: tuple[str, ...] = ()  # the other names of a tied parameter / buffer
     input_index: int | None = None  # user inputs: position among the program's inputs
     output_index: int | None = None  # tangents: the forward output this is the gradient of
     arg_index: int | None = None  # dynamo graphs: position among the graph's arguments
@@ -90,9 +91,8 @@ class Collective:
     node: str  # the redistribute node (planned), or the per-rank graph's collective node
     provenance: str  # why it is there: the consumer and its module / plan entry
     transition: str  # e.g. "S(1)R -> S(1)P" on the mesh dims moved
-    phase: str = (
-        "forward"  # "backward" for collectives that depend on an incoming gradient (training)
-    )
+    # "backward" for collectives that depend on an incoming gradient (training)
+    phase: str = "forward"
     carries: tuple = ()  # per-rank collectives: the planned ones they run
 
 

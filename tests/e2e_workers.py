@@ -42,9 +42,8 @@ def _compile_zoo(cases):
             prog = fxshard.shard(model, dm, plan(), example_inputs=x)
             fn = prog.compile()
             got = fn(*x)
-            want = fn.output_specs[0].local_of(
-                ref, fn.coord_ints
-            )  # this rank's shard of the result
+            # this rank's shard of the result
+            want = fn.output_specs[0].local_of(ref, fn.coord_ints)
         else:
             torch._dynamo.reset()
             f = torch.compile(

@@ -102,9 +102,8 @@ def test_bucket_cap_is_respected():
         input_placements=[(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)],
         output_placements=[(R,), (R,)],
     )
-    small = fxshard.shard(
-        f, fxshard.MeshSpec((2,)), bucket_bytes=100, **kw
-    )  # 8*4*4 + 8*6*4 bytes > 100
+    # 8*4*4 + 8*6*4 bytes > 100
+    small = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=100, **kw)
     assert len(collective_nodes(small.local_graph)) == 2 and small.bucketed == 0
     off = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=0, **kw)
     assert len(collective_nodes(off.local_graph)) == 2

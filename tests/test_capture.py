@@ -235,9 +235,8 @@ class _ConstModel(nn.Module):
         self.layers = nn.ModuleList(_ConstLayer() for _ in range(3))
 
     def forward(self, x):
-        x = x + torch.tensor(
-            [3.0] * 8
-        )  # a model constant of the same generated name as the layer's
+        # a model constant of the same generated name as the layer's
+        x = x + torch.tensor([3.0] * 8)
         for layer in self.layers:
             x = layer(x)
         return x.sum()
@@ -326,9 +325,8 @@ def test_layers_in_two_containers_and_the_model_left_as_it_was():
     fell_back, same, _ = _compare(m, [x])
     assert not fell_back and same
     assert all("forward" not in vars(layer) for layer in m.layers)
-    assert all(
-        type(p) is nn.Parameter for p in m.parameters()
-    )  # AOT's swap undone on shared paths too
+    # AOT's swap undone on shared paths too
+    assert all(type(p) is nn.Parameter for p in m.parameters())
     assert torch.equal(m(x), ref)
 
 

@@ -199,9 +199,8 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
             continue
         if is_even(s):
             specs.append(s)
-    big = next(
-        d for d in range(len(shape)) if shape[d] % math.prod(mesh_shape) == 0
-    )  # a non-default order
+    # a non-default order
+    big = next(d for d in range(len(shape)) if shape[d] % math.prod(mesh_shape) == 0)
     specs.append(
         ShardingSpec.make(
             mesh,
@@ -454,9 +453,8 @@ def test_regressions_found_by_review():
         )
 
     mesh = fxshard.MeshSpec((8, 8))
-    check(
-        mesh, CostModel(mesh), (P, R), (R, R), (4, 4096, 14336), even_only=True
-    )  # reduce-scatter on dim 1
+    # reduce-scatter on dim 1
+    check(mesh, CostModel(mesh), (P, R), (R, R), (4, 4096, 14336), even_only=True)
     mesh = fxshard.MeshSpec((2, 3), devices_per_host=3)
     check(
         mesh,

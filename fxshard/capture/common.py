@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,18 +28,16 @@ class Captured:
     stages after it record their results here (``stage``, ``warnings``, ``auto``)."""
 
     gm: fx.GraphModule
-    state: dict[
-        str, torch.Tensor
-    ]  # parameters, buffers and constants by FQN (every alias of a tied one)
+    # parameters, buffers and constants by FQN (every alias of a tied one)
+    state: dict[str, torch.Tensor]
     num_inputs: int
     model: nn.Module | None
     out_spec: object = None  # pytree spec of the model's outputs (None: a flat tuple or one value)
-    training: bool = (
-        False  # a joint forward+backward graph (outputs: forward outputs, then gradients)
-    )
-    config: object = (
-        None  # ShardConfig: mesh, cost model, collective options (fxshard.capture sets it)
-    )
+    # a joint forward+backward graph (outputs: forward outputs, then gradients)
+    training: bool = False
+    scalar_inputs: dict = field(default_factory=dict)  # input position -> the Python value baked in
+    # ShardConfig: mesh, cost model, collective options (fxshard.capture sets it)
+    config: object = None
     constraints: object = None  # PlanConstraints of the user's plan (fxshard.capture sets it)
     stage: str = "captured"  # captured -> annotated -> redistributed
     warnings: list[str] = field(default_factory=list)  # annotate's fallbacks
@@ -134,6 +132,24 @@ def record(gm: fx.GraphModule, kinds: list[tuple[str, object]], roots: dict | No
                 rec.module = path_fqn(list(stack.values())[-1][0], roots)
             rec.source, rec.code = source_line(node.meta.get("stack_trace"))
     return n_inputs
+
+
+def take_scalar_inputs(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, object]:
+    """Python numbers among the inputs are baked into the traced graph as constants: drop their
+    (unused) placeholders; ``{input position: value}``, for the call-time check that a program is
+    called with the values it was traced with."""
+    out = {}
+    for p in list(gm.graph.nodes):
+        rec = info(p)
+        if p.op == "placeholder" and rec.kind == NodeKind.INPUT:
+            v = example_inputs[rec.input_index] if rec.input_index < len(example_inputs) else None
+            if not isinstance(v, torch.Tensor) and not p.users:
+                out[rec.input_index] = v
+                gm.graph.erase_node(p)
+    if out:
+        gm.graph.lint()
+        gm.recompile()
+    return out
 
 
 def path_fqn(path: str, roots: dict | None) -> str:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..ir import BUFFER, CONSTANT, INPUT, PARAM
-from .common import Captured, FnModule, decomposition_table, record
+from .common import Captured, FnModule, decomposition_table, record, take_scalar_inputs
 from .markers import Markers
 
 
@@ -61,6 +61,7 @@ def capture_forward(
                 f"fxshard.capture: unsupported graph input kind {k} for {name}"
             )
     n_inputs = record(gm, [kinds[p.name] for p in gm.graph.nodes if p.op == "placeholder"])
+    scalars = take_scalar_inputs(gm, example_inputs)
     for name, t in list(state.items()):
         if isinstance(t, nn.Parameter):
             state[name] = t.detach()
@@ -70,4 +71,5 @@ def capture_forward(
         n_inputs,
         model if isinstance(model, nn.Module) else None,
         out_spec=ep.call_spec.out_spec,
+        scalar_inputs=scalars,
     )

@@ -28,9 +28,16 @@ from .._torch import (
     module_tensor_slots,
     use_flat_codegen,
 )
-from ..ir import BOUNDARY, BUFFER, GRAD_TAG, INPUT, PARAM, TANGENT, Role, info
+from ..ir import BOUNDARY, BUFFER, GRAD_TAG, INPUT, PARAM, TANGENT, Role, flat_outputs, info
 from . import stitch
-from .common import Captured, FnModule, check_no_input_mutation, decomposition_table, record
+from .common import (
+    Captured,
+    FnModule,
+    check_no_input_mutation,
+    decomposition_table,
+    record,
+    take_scalar_inputs,
+)
 from .markers import Markers
 
 log = logging.getLogger("fxshard.stitch")
@@ -58,8 +65,10 @@ def capture_joint(
     kinds = _placeholder_kinds(gm, input_kinds)
     mark_gradients(gm)
     n_inputs = record(gm, kinds)
+    scalars = take_scalar_inputs(gm, example_inputs)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     info(out).roles = tuple(_output_roles(out, input_kinds))
+    _merge_tied(gm, module)
     check_no_input_mutation(gm)
     # every name a shared tensor goes by (AOT may name its placeholder by any of them)
     state = {f: t.detach() for f, t in module.named_parameters(remove_duplicate=False)}
@@ -71,7 +80,51 @@ def capture_joint(
         model if isinstance(model, nn.Module) else None,
         out_spec=out_spec,
         training=True,
+        scalar_inputs=scalars,
     )
+
+
+def _merge_tied(gm: fx.GraphModule, module: nn.Module) -> None:
+    """AOT lifts a tied tensor once per name: make it one placeholder (its other names in
+    ``aliases``) with one gradient, the sum of the per-name contributions, handed back under every
+    name."""
+    ident: dict[str, int] = {}
+    for fqn, t in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        ident[fqn] = id(t)
+    groups: dict[int, list[fx.Node]] = {}
+    for p in gm.graph.nodes:
+        rec = info(p)
+        if p.op == "placeholder" and rec.kind in (PARAM, BUFFER) and rec.fqn in ident:
+            groups.setdefault(ident[rec.fqn], []).append(p)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    roles, flat = list(info(out).roles), flat_outputs(out)
+    changed = False
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        keep, names = group[0], [info(p).fqn for p in group]
+        for p in group[1:]:
+            p.replace_all_uses_with(keep)
+            gm.graph.erase_node(p)
+        info(keep).aliases = tuple(names[1:])
+        at = [i for i, r in enumerate(roles) if r.kind == "grad_param" and r.what in names]
+        grads = [flat[i] for i in at if isinstance(flat[i], fx.Node)]
+        total = grads[0] if grads else None
+        for g in grads[1:]:
+            with gm.graph.inserting_before(out):
+                total = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, g))
+            total.meta.update({k: v for k, v in g.meta.items() if k in ("val", "partitioner_tag")})
+            info(total)
+        for i in at:
+            flat[i] = total
+        changed = True
+    if changed:
+        out.args = (tuple(flat),)
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _export(module: nn.Module, example_inputs: Sequence, boundaries, reuse_layers: bool):

@@ -102,9 +102,8 @@ def _setup(ctx, inputs, output):
     ctx.key, ctx.n_state = key, len(state)
     ctx.save_for_backward(*state, *ins)
     lt = _LAYERS[key.partition("@")[0]]
-    ctx.mark_non_differentiable(
-        *[o for o, d in zip(output, lt.diff) if not d]
-    )  # as in the layer itself
+    # as in the layer itself
+    ctx.mark_non_differentiable(*[o for o, d in zip(output, lt.diff) if not d])
     ctx.set_materialize_grads(False)  # an output nobody differentiates arrives as None (see below)
 
 
@@ -327,9 +326,8 @@ def _stitch(gm: fx.GraphModule, traces: dict[str, _LayerTrace]) -> fx.GraphModul
     for n in graph.nodes:
         if n.op == "call_function" and n.target is LAYER_BWD:
             bwd_of[(n.args[0], tuple(n.args[1]), tuple(n.args[2]))] = n
-    pairs = [
-        (f, bwd_of.pop((f.args[0], tuple(f.args[1]), tuple(f.args[2])), None)) for f in fwd
-    ]  # before edits
+    # before edits
+    pairs = [(f, bwd_of.pop((f.args[0], tuple(f.args[1]), tuple(f.args[2])), None)) for f in fwd]
     renamed: dict[str, dict[str, str]] = {}  # a layer graph's constants, under fresh names in gm
     for lt in traces.values():
         renamed[lt.key] = {}
@@ -436,9 +434,8 @@ def _copy_nodes(graph, where, nodes, env, base, top, last, own_last, consts, tag
         for n in nodes:
             c = graph.node_copy(n, env.__getitem__)  # meta is copied (shallow: fake values shared)
             if c.op == "get_attr":
-                c.target = consts[
-                    n.target
-                ]  # the layer graph's constant, not a model one of that name
+                # the layer graph's constant, not a model one of that name
+                c.target = consts[n.target]
             elif c.target is boundary and c.args[1].startswith(tags[0]):
                 c.args = (
                     c.args[0],

@@ -18,11 +18,13 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._torch import COLLECTIVE_OPS, fake_mode
+from .._torch import COLLECTIVE_OPS, Replicate, fake_mode
+from ..core.cost import CostModel
 from ..core.spec import ShardingSpec, placements_str
 from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
+from ..planner import plan_between
 from ..planner.execute import MeshGroups, execute_plan
-from ..rules import EMBEDDING
+from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
 
 aten = torch.ops.aten
 _SIZE_ARG_OPS = {
@@ -76,6 +78,8 @@ class _LocalInterpreter(fx.Interpreter):
                 # attention on shards) may return other strides, so let reshape copy when it must.
                 return aten.reshape.default(*args, **kwargs)
             return n.target(*args, **kwargs)
+        if n.target in SHAPE_RANDOM_OPS and _sharded(rec.spec):
+            return self._random(n, rec)
         if n.target is EMBEDDING and rec.input_specs and rec.input_specs[0].levels[0]:
             # the weight's rows (the vocabulary) are sharded: a masked local lookup, summed by the
             # plan
@@ -91,6 +95,46 @@ class _LocalInterpreter(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return n.target(*args, **{**kwargs, "device": self.device})
         return super().run_node(n)
+
+    def _random(self, n: fx.Node, rec) -> object:
+        """A random op with sharded outputs: draw the global tensor as the single-device program
+        does (every rank the same draw, from the same generator state), keep this rank's shard."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if n.target is aten.native_dropout.default:
+            x, p, train = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("train")
+            if not train:
+                return super().run_node(n)
+            template = n.args[0].meta["val"]
+            full = torch.zeros(template.shape, dtype=x.dtype, device=x.device)
+            _, mask = aten.native_dropout.default(full, p, train)
+            mask = self._shard(mask, rec.spec[1])
+            scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+            out = aten.mul.Tensor(aten.mul.Tensor(x, mask), scale)  # native_dropout's own order
+            return out, mask
+        glob = []
+        for a, v in zip(n.args, args):
+            val = a.meta.get("val") if isinstance(a, fx.Node) else None
+            glob.append(
+                torch.zeros(val.shape, dtype=v.dtype, device=v.device)
+                if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor)
+                else v
+            )
+        return self._shard(n.target(*glob, **kwargs), rec.spec)
+
+    def _shard(self, full: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
+        """This rank's shard of a global value every rank holds (local slicing, no collective)."""
+        rep = ShardingSpec.make(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
+        return execute_plan(
+            plan_between(rep, spec, CostModel(spec.mesh), even_only=True),
+            full,
+            self.groups,
+            self.coord,
+        )
+
+
+def _sharded(spec) -> bool:
+    specs = spec if isinstance(spec, tuple) else (spec,)
+    return any(isinstance(s, ShardingSpec) and s.num_shards > 1 for s in specs)
 
 
 def _vocab_parallel_embedding(weight, indices, wspec, coord):

@@ -30,9 +30,8 @@ def insert_redistributes(
         if node.op == "placeholder" or rec.kind == NodeKind.REDISTRIBUTE:
             continue
         if node.op == "output":
-            args = flat_outputs(
-                node
-            )  # aligned with input_specs (None for outputs that are not values)
+            # aligned with input_specs (None for outputs that are not values)
+            args = flat_outputs(node)
         else:
             args = tensor_args(node)
         for arg, want in zip(args, rec.input_specs):

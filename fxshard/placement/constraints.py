@@ -43,22 +43,17 @@ class PlanConstraints:
     """Placements on the plan's mesh dim (``dim``), with the plan entry that asked for each."""
 
     dim: int | None
-    params: dict[str, tuple[object, str]] = field(
-        default_factory=dict
-    )  # fqn -> (placement, provenance)
-    boundaries: dict[str, tuple[object, str]] = field(
-        default_factory=dict
-    )  # tag -> (placement, provenance)
-    input_hints: dict[str, object] = field(
-        default_factory=dict
-    )  # "<module>:in:<i>" -> input_layouts
-    hooked: dict[str, tuple[int, int]] = field(
-        default_factory=dict
-    )  # module fqn -> (#inputs, #outputs) to mark
+    # fqn -> (placement, provenance)
+    params: dict[str, tuple[object, str]] = field(default_factory=dict)
+    # tag -> (placement, provenance)
+    boundaries: dict[str, tuple[object, str]] = field(default_factory=dict)
+    # "<module>:in:<i>" -> input_layouts
+    input_hints: dict[str, object] = field(default_factory=dict)
+    # module fqn -> (#inputs, #outputs) to mark
+    hooked: dict[str, tuple[int, int]] = field(default_factory=dict)
     auto: bool = False  # plan="auto": every placement not fixed here is chosen by the global solver
-    blocks: list[list[str]] = field(
-        default_factory=list
-    )  # repeated layers (auto shares their decisions)
+    # repeated layers (auto shares their decisions)
+    blocks: list[list[str]] = field(default_factory=list)
 
 
 HF_STYLES = {
@@ -160,7 +155,39 @@ def resolve_plan(
             )
         for fqn in matches:
             _apply_style(out, fqn, modules[fqn], style, f"{pattern}: {_style_name(style)}")
+    _tie(out, model)
     return out
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups (>= 2) of names one parameter or buffer goes by (tied weights), in module order."""
+    by_id: dict[int, list[str]] = {}
+    for fqn, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        by_id.setdefault(id(t), []).append(fqn)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _tie(out: PlanConstraints, model: nn.Module) -> None:
+    """A tied tensor is one tensor: the placement a plan entry gives one of its names applies to
+    all of them; two entries that place it differently are an error naming both."""
+    for names in tied_names(model):
+        entries = [(f, out.params[f]) for f in names if f in out.params]
+        if not entries:
+            continue
+        first, (placement, prov) = entries[0]
+        for f, (other, other_prov) in entries[1:]:
+            if other != placement:
+                raise ValueError(
+                    f"{first} and {f} are one tensor (tied weights), but the plan places them "
+                    f"differently: {placement} ({prov}) and {other} ({other_prov}); give both "
+                    f"names one placement, or untie them"
+                )
+        for f in names:
+            if f not in out.params:
+                out.params[f] = (placement, f"{prov} (tied with {first})")
 
 
 def _style_name(style) -> str:

@@ -150,6 +150,7 @@ class PlacementProblem:
         self.rules_mesh = rules.rules_mesh(mesh.shape)
         self.warnings: list[str] = []
         self._candidates: dict = {}
+        self._names_of: tuple | None = None  # (graph, {node name: node}), for gradient markers
 
     # ---- specs and costs ------------------------------------------------------------------------
     def spec(
@@ -382,7 +383,7 @@ class PlacementProblem:
         if not tag.startswith(GRAD_TAG):
             return None
         graph = node.graph
-        if getattr(self, "_names_of", None) is None or self._names_of[0] is not graph:
+        if self._names_of is None or self._names_of[0] is not graph:
             self._names_of = (graph, {n.name: n for n in graph.nodes})
         return self._names_of[1].get(tag[len(GRAD_TAG) :])
 
@@ -406,7 +407,8 @@ class PlacementProblem:
             if p.op == "placeholder":
                 r = info(p)
                 if r.kind in (PARAM, BUFFER):
-                    placeholders[Role("grad_param", r.fqn)] = p
+                    for name in (r.fqn, *r.aliases):
+                        placeholders[Role("grad_param", name)] = p
                 elif r.kind == INPUT:
                     placeholders[Role("grad_input", r.input_index)] = p
         out = []

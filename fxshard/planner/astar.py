@@ -125,9 +125,8 @@ def incumbent(P: Problem) -> tuple[float, list]:
         for lv in (P.src_levels, P.dst_levels)
         for d, st in enumerate(lv)
     ):
-        inc_cost = (
-            math.inf
-        )  # the simple plans pass only prefixes of these stacks: even only if both ends are
+        # the simple plans pass only prefixes of these stacks: even only if both ends are
+        inc_cost = math.inf
     return inc_cost, inc_moves
 
 

@@ -94,13 +94,13 @@ def execute_plan(
                 x = _keep_on_coord0(x, coord, mv.mesh_dim)
         elif mv.kind == AR:
             x = _F.wait_tensor(_F.all_reduce(x, op, gname))
-            x = x / scale if scale > 1 else x
+            x = average(x, scale) if scale > 1 else x
         elif mv.kind == RS:
             levels = tuple((m, mv.sf) for m in mv.mesh_dims)
             buf = _rs_pack(x, mv.dst_dim, levels, mesh_shape)
             out = _F.wait_tensor(_F.reduce_scatter_tensor(buf, op, k, gname))
             x = _rs_unpack(out, coord, mv.dst_dim, levels, x.size(mv.dst_dim), mesh_shape)
-            x = x / scale if scale > 1 else x
+            x = average(x, scale) if scale > 1 else x
         else:
             d = mv.src_dim
             j = len(mv.mesh_dims)
@@ -167,6 +167,14 @@ def _check_traceable(plan: RedistributePlan):
                     f"{plan.src.shape}: shards are uneven, so local shapes differ by rank; run it "
                     f"eagerly (per-rank shapes) or pad the tensor to a multiple of the mesh size"
                 )
+
+
+def average(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x / n`` in ``x``'s dtype: the mean of an integer partial value rounds toward zero, as
+    integer division does (an integer tensor stays one)."""
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        return x / n
+    return torch.div(x, n, rounding_mode="trunc")
 
 
 # ---- rank-dependent selection --------------------------------------------------------------------

@@ -152,6 +152,16 @@ def plan_redistribute(
         multi_dim_collectives = bool(fuse)
     mesh = MeshSpec.from_device_mesh(mesh)
     shape = tuple(int(s) for s in shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"plan_redistribute: shape {shape} has a negative size")
+    for what, pls in (("src", src), ("dst", dst)):
+        if dtype == torch.bool and any(
+            isinstance(p, Partial) and p.reduce_op in ("sum", "avg") for p in pls
+        ):
+            raise ValueError(
+                f"plan_redistribute {what}: Partial(sum/avg) of a bool tensor has no value of "
+                f"its dtype; use Partial('max') (logical or) or Partial('min') (logical and)"
+            )
     s = ShardingSpec.make(
         mesh, src, shape, dtype, src_order, what="plan_redistribute src", cache=cache
     )

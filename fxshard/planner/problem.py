@@ -53,9 +53,8 @@ LINEAR_OPS = ("sum", "avg")
 
 class Move(NamedTuple):
     kind: str
-    mesh_dim: (
-        int | tuple[int, ...]
-    )  # a tuple for a fused move: the levels' mesh dims, innermost last
+    # a tuple for a fused move: the levels' mesh dims, innermost last
+    mesh_dim: int | tuple[int, ...]
     src_dim: int | None  # tensor dim the level leaves (AG, A2A)
     dst_dim: int | None  # tensor dim the level joins (A2A, SHARD, RS)
     sf: int = 1  # split factor of the level that joins
@@ -110,9 +109,8 @@ class _Tables:
         self.ar_f = [fac[ALL_REDUCE, m] for m in range(M)]
         self.rs_l = [lat[REDUCE_SCATTER, m] for m in range(M)]
         self.rs_f = [fac[REDUCE_SCATTER, m] for m in range(M)]
-        lb = (
-            self.lat_lb
-        )  # latencies in the heuristic's bounds (fused: less the shared base latency)
+        # latencies in the heuristic's bounds (fused: less the shared base latency)
+        lb = self.lat_lb
         self.ag_lb = [lb[ALL_GATHER, m] for m in range(M)]
         self.a2_lb = [lb[ALL_TO_ALL, m] for m in range(M)]
         self.ar_lb = [lb[ALL_REDUCE, m] for m in range(M)]

@@ -10,10 +10,20 @@ from collections.abc import Sequence
 
 from torch._ops import OpOverload
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from .dims import normalize_dims
 from .dtensor import dtensor_candidates, has_single_dim_rule
-from .own import EMBEDDING, FACTORY_OPS, SDPA_OPS, embedding_candidates, sdpa_candidates
+from .own import (
+    EMBEDDING,
+    FACTORY_OPS,
+    SDPA_OPS,
+    SHAPE_RANDOM_OPS,
+    VALUE_RANDOM_OPS,
+    embedding_candidates,
+    random_candidates,
+    sdpa_candidates,
+)
 from .user import has_rule, register_rule, unregister_rule, user_candidates
 
 
@@ -25,7 +35,8 @@ def candidates(
     input_placements: Sequence[Sequence[Placement]],
 ) -> list | str | None:
     """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
-    placements; ``None`` when no rule exists."""
+    placements; ``None`` when no rule exists.  Dim arguments are normalised first (``dims``)."""
+    args, kwargs = normalize_dims(op, args, kwargs)
     if has_rule(op):
         return user_candidates(op, args, kwargs, device_mesh.ndim)
     if op in FACTORY_OPS:
@@ -34,9 +45,14 @@ def candidates(
         return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
     if op == EMBEDDING:
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
-    return dtensor_candidates(
+    if op in VALUE_RANDOM_OPS:  # every rank draws the global result
+        rep = (Replicate(),) * device_mesh.ndim
+        n_out = sum("Tensor" in str(r.type) for r in op._schema.returns)
+        return [((rep,) * len(input_placements), (rep,) * n_out)]
+    found = dtensor_candidates(
         op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True
     )
+    return random_candidates(op, found) if op in SHAPE_RANDOM_OPS else found
 
 
 def rules_mesh(shape: Sequence[int]) -> DeviceMesh:

@@ -63,9 +63,8 @@ def _enum_placements(t, mesh, current: Plc, with_partial: bool) -> list[Plc]:
         + [Shard(d) for d in range(t.ndim)]
         + ([Partial("sum")] if with_partial else [])
     )
-    opts += [
-        p for p in current if p not in opts
-    ]  # keep StridedShard / P(avg) / ... already present
+    # keep StridedShard / P(avg) / ... already present
+    opts += [p for p in current if p not in opts]
     out = [tuple(current)]
     for plc in itertools.product(opts, repeat=mesh.ndim):
         kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
@@ -297,9 +296,8 @@ def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
     )
 
 
-_MAX_DECOMP_CANDIDATES = (
-    256  # input combinations tried through a decomposition (then: Shard / Replicate only)
-)
+# input combinations tried through a decomposition (then: Shard / Replicate only)
+_MAX_DECOMP_CANDIDATES = 256
 
 
 def dtensor_candidates(
@@ -344,7 +342,7 @@ def dtensor_candidates(
         op, has_decomp, rule, spec_schema, device_mesh, cur, n_in, found
     ):
         return None
-    res = list(found)
+    res = [c for c in (_plain_outputs(c) for c in found) if c is not None]
     if drop_strided_shard:
         res = [
             c
@@ -354,6 +352,35 @@ def dtensor_candidates(
             )
         ]
     return res
+
+
+_PLAIN = (Replicate, Shard, _StridedShard)
+
+
+def _plain_outputs(cand: Candidate) -> Candidate | None:
+    """The candidate with outputs in placements whose meaning fxshard's planner knows, or None.
+
+    DTensor marks some partial values with a Partial subclass that reduces differently from its
+    ``reduce_op`` (a p-norm's partial sums of |x|^p, reduced then raised to 1/p: ``_NormPartial``;
+    an embedding's masked partial lookup: ``_MaskPartial``).  Taken as the plain Partial its
+    ``reduce_op`` names, such a value reduces to a wrong result; p = 1 is the one norm that is a
+    plain sum.  Any other such candidate is dropped (the op keeps its other candidates)."""
+    ins, outs = cand
+    new_outs = []
+    for plc in outs:
+        if plc is None:
+            new_outs.append(plc)
+            continue
+        fixed = []
+        for p in plc:
+            if type(p) in _PLAIN or type(p) is Partial:
+                fixed.append(p)
+            elif type(p).__name__ == "_NormPartial" and getattr(p, "norm_type", None) == 1:
+                fixed.append(Partial("sum"))
+            else:
+                return None
+        new_outs.append(tuple(fixed))
+    return ins, tuple(new_outs)
 
 
 def _follow_the_input(

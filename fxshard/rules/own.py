@@ -40,6 +40,61 @@ FACTORY_OPS = {
 }
 EMBEDDING = aten.embedding.default
 
+# Random ops whose draws depend on their inputs' shapes only (the input is a shape / dtype template,
+# or is multiplied by a mask drawn for its shape): sharded, each rank draws the whole global tensor
+# as single device would and keeps its own shard (lowering does it), so shards never repeat a mask
+# and the program draws what the single-device program draws for the same seed.
+SHAPE_RANDOM_OPS = frozenset(
+    {
+        aten.rand_like.default,
+        aten.randn_like.default,
+        aten.randint_like.default,
+        aten.randint_like.low_dtype,
+        aten.bernoulli.p,
+        aten.native_dropout.default,
+        aten.uniform.default,
+        aten.normal_functional.default,
+        aten.exponential.default,
+        aten.cauchy.default,
+        aten.log_normal.default,
+        aten.geometric.default,
+        aten.random.default,
+        getattr(aten.random, "from"),
+        aten.random.to,
+    }
+)
+# Random ops whose draws depend on their inputs' values (probabilities, means, rates): computed
+# replicated, every rank drawing the same global result.
+VALUE_RANDOM_OPS = frozenset(
+    {
+        aten.bernoulli.default,
+        aten.bernoulli.Tensor,
+        aten.multinomial.default,
+        aten.poisson.default,
+        aten.binomial.default,
+        aten.normal.Tensor_float,
+        aten.normal.float_Tensor,
+        aten.normal.Tensor_Tensor,
+        aten.rrelu_with_noise.default,
+    }
+)
+
+
+def random_candidates(op: OpOverload, cands: list | None) -> list | None:
+    """The candidates a random op keeps: none with a Partial value (a draw is not a sum of
+    addends), and only the replicated one where the draws depend on the inputs' values."""
+    if cands is None or not isinstance(cands, list):
+        return cands
+    out = []
+    for ins, outs in cands:
+        plcs = [p for side in (ins, outs) for plc in side if plc for p in plc]
+        if any(isinstance(p, Partial) for p in plcs):
+            continue
+        if op in VALUE_RANDOM_OPS and not all(isinstance(p, Replicate) for p in plcs):
+            continue
+        out.append((ins, outs))
+    return out
+
 
 def sdpa_candidates(
     op: OpOverload, args: Sequence, kwargs: dict, mesh: DeviceMesh, input_placements: Sequence

@@ -100,10 +100,7 @@ class CompiledProgram:
 
     def __call__(self, *inputs):
         prog = self.program
-        if len(inputs) != prog.captured.num_inputs:
-            raise TypeError(
-                f"this program takes {prog.captured.num_inputs} inputs, got {len(inputs)}"
-            )
+        prog.check_inputs(inputs)
         args = []
         for p, spec in zip(prog.placeholders, self.specs):
             rec = info(p)
@@ -161,6 +158,7 @@ class CompiledTraining:
             if n.op == "placeholder" and n.name == "mesh_coord":
                 n.target = n.name = "primals_mesh_coord"
         local.recompile()
+        self._state: dict | None = None  # the captured state's local shards (made on first call)
         fw, bw = partition_joint(local, self.num_fwd)
         self.forward_graph, self.backward_graph = fw, bw
         if inductor:
@@ -182,7 +180,8 @@ class CompiledTraining:
         ``(outputs, grads)``, ``grads[fqn]`` this rank's gradient shard (placed like the
         parameter)."""
         prog = self.program
-        if getattr(self, "_state", None) is None:
+        prog.check_inputs(inputs)
+        if self._state is None:
             self._state = {}
             for (kind, fqn, _), spec in zip(self.primal_kinds, self.primal_specs):
                 if kind in STATE_KINDS:
@@ -232,7 +231,7 @@ def gradients_of(kinds: Sequence[tuple], by_role: dict) -> list:
         else by_role.get(("grad_input", index))
         if kind == INPUT
         else None
-        for kind, fqn, index in primal_kinds
+        for kind, fqn, index in kinds
     ]
 
 
@@ -301,17 +300,24 @@ class _TrainingStep(torch.autograd.Function):
 class SimulatedTraining(torch.autograd.Function):
     """The backend's ``simulate`` mode under autograd: the forward runs the joint program's outputs
     on simulated ranks, the backward runs it again with the incoming gradients (a debugging mode:
-    twice the forward work, exact collectives)."""
+    twice the forward work, exact collectives).  The backward's run starts from the random
+    generator state the forward's did, so it draws the forward's masks again."""
 
     @staticmethod
     def forward(ctx, prog, *args):
         ctx.prog, ctx.args = prog, [a.detach() for a in args]
+        ctx.rng = torch.get_rng_state()
         return tuple(_simulate_joint(prog, ctx.args, None)[0])
 
     @staticmethod
     def backward(ctx, *grads):
         _no_double_backward()
-        _, by_role = _simulate_joint(ctx.prog, ctx.args, grads)
+        now = torch.get_rng_state()
+        torch.set_rng_state(ctx.rng)
+        try:
+            _, by_role = _simulate_joint(ctx.prog, ctx.args, grads)
+        finally:
+            torch.set_rng_state(now)
         return (None, *gradients_of(primal_kinds(ctx.prog), by_role))
 
 

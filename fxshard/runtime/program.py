@@ -184,14 +184,46 @@ class ShardedProgram:
         Training programs return ``(outputs, grads)``: ``grads[fqn]`` is every parameter's global
         gradient (``grads["input:<i>"]`` for inputs that require grad).  A scalar output is seeded
         with 1; otherwise pass ``grad_outputs`` (one per differentiable output)."""
-        if len(inputs) != self.captured.num_inputs:
-            raise TypeError(
-                f"this program takes {self.captured.num_inputs} inputs, got {len(inputs)}"
-            )
+        self.check_inputs(inputs)
         if not self.training:
             return self.restructure(self.simulate_placeholders(self.placeholder_values(inputs)))
         flat = self.simulate_placeholders(self.placeholder_values(inputs, grad_outputs))
         return self.split_training_outputs(flat)
+
+    def check_inputs(self, inputs: Sequence) -> None:
+        """Raise unless ``inputs`` are what the program was traced for: as many, each tensor of its
+        traced shape and dtype, each Python number its traced value (baked into the program)."""
+        n = self.captured.num_inputs
+        if len(inputs) != n:
+            raise TypeError(f"this program takes {n} inputs, got {len(inputs)}")
+        redo = (
+            "shard again with example inputs like these (fxshard.shard(..., example_inputs=...)), "
+            'or use torch.compile(model, backend="fxshard", ...), which builds a program per '
+            "input signature"
+        )
+        for p in self.placeholders:
+            rec = info(p)
+            if rec.kind != NodeKind.INPUT:
+                continue
+            i, val, given = rec.input_index, p.meta["val"], inputs[rec.input_index]
+            if not isinstance(given, torch.Tensor):
+                raise TypeError(
+                    f"input {i} ({p.name}) was traced as a tensor of shape {tuple(val.shape)}; "
+                    f"got {type(given).__name__}"
+                )
+            if tuple(given.shape) != tuple(val.shape) or given.dtype != val.dtype:
+                raise ValueError(
+                    f"input {i} ({p.name}) has shape {tuple(given.shape)} and dtype {given.dtype}, "
+                    f"but the program was traced for shape {tuple(val.shape)} and dtype "
+                    f"{val.dtype}: {redo}"
+                )
+        for i, traced in self.captured.scalar_inputs.items():
+            given = inputs[i]
+            if type(given) is not type(traced) or given != traced:
+                raise ValueError(
+                    f"input {i} is {given!r}, but the program was traced with {traced!r}, which is "
+                    f"baked into it: {redo} (or pass the value as a tensor)"
+                )
 
     def split_training_outputs(self, flat: list):
         outs, grads = [], {}
@@ -210,9 +242,8 @@ class ShardedProgram:
 
     def simulate_placeholders(self, values: Sequence) -> list:
         """Simulate on the global value of every placeholder (parameters included); flat outputs."""
-        unbound = (
-            self.local_graph
-        )  # lower outside the simulation (tracing must not see LocalTensorMode)
+        # lower outside the simulation (tracing must not see LocalTensorMode)
+        unbound = self.local_graph
         with SimulatedMesh(self.mesh.shape, self.mesh.names) as sim:
             local = bind_groups(unbound, group_names(sim.device_mesh))
             args = [

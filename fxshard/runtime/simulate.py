@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .._torch import Partial, Replicate, local_tensor_mode, local_tensor_values, make_local_tensor
 from ..core.mesh import MeshSpec
 from ..core.spec import ShardingSpec
+from ..planner.execute import average
 
 
 class ReplicaMismatch(AssertionError):
@@ -166,7 +167,7 @@ def assemble(
     ops = set(spec.partials.values())
     if ops <= {"sum", "avg"}:  # linear: sum over every partial dim, divided by the avg dims' sizes
         avg_share = math.prod(mesh_shape[m] for m, o in spec.partials.items() if o == "avg")
-        return stacked.sum(0) / avg_share if avg_share > 1 else stacked.sum(0)
+        return average(stacked.sum(0), avg_share) if avg_share > 1 else stacked.sum(0)
     if op == "max":
         return stacked.amax(0)
     return stacked.amin(0)

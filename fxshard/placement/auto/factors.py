@@ -45,9 +45,8 @@ class _Var:
         self.memory = None
         self.fixed = False  # a single state given by the user
         self.nodes = [node]  # every node taking this decision
-        self.derived = (
-            None  # (root variable, this var's state per root state): it follows its input
-        )
+        # (root variable, this var's state per root state): it follows its input
+        self.derived = None
 
 
 class FactorGraph:
@@ -476,9 +475,8 @@ class FactorGraph:
                 continue
             v = self.var_of[n]
             var = self.vars[v]
-            f = (
-                2 + self.opt.optimizer_states if v in trained else 1
-            )  # + gradient + optimizer states
+            # + gradient + optimizer states
+            f = 2 + self.opt.optimizer_states if v in trained else 1
             self._add_memory(var, [f * local_bytes(self.specs[st[1][0]]) for st in var.states])
         for a in sorted(saved, key=lambda x: x.name):
             u, ids = self.resolve(a)

@@ -201,9 +201,8 @@ def _build(core, unary, factors, memory, budget) -> _Model:
         mv = [v for v in core if v in memory]
         r_idx.append(np.full(sum(len(memory[v]) for v in mv), nrow))
         c_idx += [np.arange(col_of[v], col_of[v] + len(memory[v])) for v in mv]
-        vals += [
-            memory[v].numpy() / 2**20 for v in mv
-        ]  # MiB: bytes would make the row badly scaled
+        # MiB: bytes would make the row badly scaled
+        vals += [memory[v].numpy() / 2**20 for v in mv]
         lo.append(np.array([-highspy.kHighsInf]))
         hi.append(np.array([float(budget) / 2**20]))
         nrow += 1
