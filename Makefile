@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: venv test demo bench lint clean chromium
+.PHONY: venv test demo bench lint clean chromium rulecheck
 
 venv: .venv/.done
 .venv/.done: pyproject.toml
@@ -27,6 +27,9 @@ demo: venv
 
 bench: venv
 	$(PY) benchmarks/planner.py
+
+rulecheck: venv
+	$(PY) scripts/rule_check.py
 
 lint: venv
 	$(PY) -m ruff check .

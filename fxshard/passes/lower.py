@@ -13,6 +13,7 @@ concrete ``DeviceMesh``'s.  Every collective of the per-rank graph records the p
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -27,15 +28,77 @@ from ..planner.execute import MeshGroups, execute_plan
 from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
 
 aten = torch.ops.aten
+# ops taking their output's global shape as an argument (at this position): the local one on a
+# shard (DTensor's op_to_shape_and_stride_idx); new_empty_strided takes its strides next
 _SIZE_ARG_OPS = {
     aten.view.default: 1,
     aten._unsafe_view.default: 1,
+    aten.view_copy.default: 1,
     aten.reshape.default: 1,
     aten.expand.default: 1,
+    aten.expand_copy.default: 1,
     aten.new_empty.default: 1,
     aten.new_zeros.default: 1,
     aten.new_ones.default: 1,
     aten.new_full.default: 1,
+    aten.new_empty_strided.default: 1,
+    aten.select_backward.default: 1,
+    aten.slice_backward.default: 1,
+    **{
+        getattr(aten, name).default: 2  # input_size: the full [N, C, ...] shape
+        for name in (
+            "upsample_nearest1d_backward",
+            "upsample_nearest2d_backward",
+            "upsample_nearest3d_backward",
+            "_upsample_nearest_exact1d_backward",
+            "_upsample_nearest_exact2d_backward",
+            "_upsample_nearest_exact3d_backward",
+            "_upsample_bilinear2d_aa_backward",
+            "_upsample_bicubic2d_aa_backward",
+            "upsample_bicubic2d_backward",
+            "upsample_bilinear2d_backward",
+            "upsample_linear1d_backward",
+            "upsample_trilinear3d_backward",
+        )
+        if hasattr(aten, name)
+    },
+}
+
+# squeeze without dims squeezes what is size 1 *locally*: a shard of size 1 would go too, so the
+# dims come from the global shape (DTensor rewrites these the same way)
+_SQUEEZE_DIMS = {
+    aten.squeeze.default: aten.squeeze.dims,
+    aten.squeeze.dim: aten.squeeze.dims,
+    aten.squeeze.dims: aten.squeeze.dims,
+    aten.squeeze_copy.default: aten.squeeze_copy.dims,
+    aten.squeeze_copy.dim: aten.squeeze_copy.dims,
+    aten.squeeze_copy.dims: aten.squeeze_copy.dims,
+}
+
+
+def _squeeze_dims(n: fx.Node) -> list[int]:
+    """The dims a squeeze removes in the global program: its dims (all) that are size 1."""
+    shape = n.args[0].meta["val"].shape
+    given = n.args[1] if len(n.args) > 1 else range(len(shape))
+    dims = [given] if isinstance(given, int) else list(given)
+    return sorted({d % len(shape) for d in dims if len(shape) and shape[d % len(shape)] == 1})
+
+
+def _local_strides(global_strides, shape) -> list[int]:
+    """Dense strides for ``shape`` in the dim order of ``global_strides`` (innermost last)."""
+    order = sorted(range(len(shape)), key=lambda d: (global_strides[d], -d), reverse=True)
+    out, step = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = step
+        step *= max(int(shape[d]), 1)
+    return out
+
+
+# ops taking their input's global N, C, H*W as int arguments (from this position; input at that one)
+_SHAPE_SCALARS = {aten.native_group_norm.default: 3, aten.native_group_norm_backward.default: 5}
+_SHAPE_SCALARS_INPUT = {
+    aten.native_group_norm.default: 0,
+    aten.native_group_norm_backward.default: 1,
 }
 
 
@@ -73,10 +136,24 @@ class _LocalInterpreter(fx.Interpreter):
             i = _SIZE_ARG_OPS[n.target]
             args = list(args)
             args[i] = list(local_shape(rec.spec))
+            if n.target is aten.new_empty_strided.default:
+                args[i + 1] = _local_strides(args[i + 1], args[i])
             if n.target in (aten.view.default, aten._unsafe_view.default):
                 # The global graph only views where the global layout allows it; local kernels (e.g.
                 # attention on shards) may return other strides, so let reshape copy when it must.
                 return aten.reshape.default(*args, **kwargs)
+            return n.target(*args, **kwargs)
+        if n.op == "call_function" and n.target in _SQUEEZE_DIMS:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return _SQUEEZE_DIMS[n.target](args[0], _squeeze_dims(n))
+        if n.target in _SHAPE_SCALARS:
+            # N, C and HxW are ints of the global shape: the local input's, on a shard
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            at, x = _SHAPE_SCALARS[n.target], args[_SHAPE_SCALARS_INPUT[n.target]]
+            hxw = 1
+            for d in x.shape[2:]:
+                hxw *= d
+            args = (*args[:at], x.shape[0], x.shape[1], hxw, *args[at + 3 :])
             return n.target(*args, **kwargs)
         if n.target in SHAPE_RANDOM_OPS and _sharded(rec.spec):
             return self._random(n, rec)
@@ -130,6 +207,12 @@ class _LocalInterpreter(fx.Interpreter):
             self.groups,
             self.coord,
         )
+
+
+def run_per_rank(gm: fx.GraphModule, groups, coord, local_args: Sequence) -> object:
+    """Run an annotated global graph eagerly as the per-rank program would (the lowering's
+    interpreter, not traced): ``local_args`` are this rank's (or simulated ranks') shards."""
+    return _LocalInterpreter(gm, groups, coord).run(*local_args)
 
 
 def _sharded(spec) -> bool:

@@ -138,6 +138,7 @@ class PlacementProblem:
         multi_dim: bool = False,
         batch_size: int | None = None,
         replicate_grads: bool = False,
+        training: bool = False,
     ):
         self.mesh = mesh
         self.cm = cost_model
@@ -147,6 +148,7 @@ class PlacementProblem:
         self.multi_dim = multi_dim
         self.batch_size = batch_size
         self.replicate_grads = replicate_grads
+        self.training = training  # a joint graph: forward outputs handed back global
         self.rules_mesh = rules.rules_mesh(mesh.shape)
         self.warnings: list[str] = []
         self._candidates: dict = {}
@@ -204,6 +206,8 @@ class PlacementProblem:
     def input_specs_for(self, placements: Sequence, targs: Sequence, cur: Sequence) -> tuple | None:
         """The input specs of a candidate (an input it leaves unplaced keeps ``cur``), or None where
         one is not plain (strided, a Partial other than sum) or does not divide evenly."""
+        if len(placements) != len(targs):
+            return None  # a rule that places some inputs only would leave the rest where they are
         specs = []
         for plc, a, c in zip(placements, targs, cur):
             if plc is None:
@@ -308,9 +312,8 @@ class PlacementProblem:
         every = tuple(range(self.mesh.ndim))
         if rec.kind in STATE_KINDS:
             return self.state_options(rec.fqn, val)
-        if (
-            rec.kind == TANGENT
-        ):  # an incoming gradient, placed like its output (replicated by default)
+        # an incoming gradient, placed like its output (replicated by default)
+        if rec.kind == TANGENT:
             i = rec.output_index
             given = (
                 self.output_placements[i]
@@ -400,7 +403,6 @@ class PlacementProblem:
     # ---- outputs --------------------------------------------------------------------------------
     def output_requirements(self, output: fx.Node) -> list[OutputRequirement | None]:
         """What every flat output must be handed back as (None for an output that is no value)."""
-        joint = bool(info(output).roles)
         roles = output_roles(output)
         placeholders = {}
         for p in output.graph.nodes:
@@ -409,6 +411,7 @@ class PlacementProblem:
                 if r.kind in (PARAM, BUFFER):
                     for name in (r.fqn, *r.aliases):
                         placeholders[Role("grad_param", name)] = p
+                        placeholders[Role("mutate", name)] = p
                 elif r.kind == INPUT:
                     placeholders[Role("grad_input", r.input_index)] = p
         out = []
@@ -418,9 +421,11 @@ class PlacementProblem:
                 continue
             role = Role(*roles[i]) if i < len(roles) else Role("output", i)
             val = o.meta["val"]
-            if (
-                role.kind != "output"
-            ):  # a gradient: like its parameter / input, or handed back global
+            if role.kind == "mutate":  # a parameter / buffer updated in place: placed like it
+                out.append(OutputRequirement("like", None, placeholders[role], role))
+                continue
+            # a gradient: like its parameter / input, or handed back global
+            if role.kind != "output":
                 if self.replicate_grads or role not in placeholders:
                     out.append(
                         OutputRequirement(
@@ -442,9 +447,8 @@ class PlacementProblem:
                         "fixed", self.spec(given, val, what=f"output_placements[{k}]"), role=role
                     )
                 )
-            elif (
-                joint
-            ):  # training hands back global values: its incoming gradient is replicated too
+            # training hands back global values: its incoming gradient is replicated too
+            elif self.training:
                 out.append(OutputRequirement("fixed", self.replicated(val), role=role))
             else:  # hand back usable values: finish pending reductions
                 out.append(OutputRequirement("reduced", role=role))

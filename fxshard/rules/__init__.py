@@ -14,6 +14,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from .dims import normalize_dims
 from .dtensor import dtensor_candidates, has_single_dim_rule
+from .excluded import drop_excluded
 from .own import (
     EMBEDDING,
     FACTORY_OPS,
@@ -36,6 +37,10 @@ def candidates(
 ) -> list | str | None:
     """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
     placements; ``None`` when no rule exists.  Dim arguments are normalised first (``dims``)."""
+    return drop_excluded(op, _candidates(op, args, kwargs, device_mesh, input_placements))
+
+
+def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str | None:
     args, kwargs = normalize_dims(op, args, kwargs)
     if has_rule(op):
         return user_candidates(op, args, kwargs, device_mesh.ndim)
@@ -45,7 +50,9 @@ def candidates(
         return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
     if op == EMBEDDING:
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
-    if op in VALUE_RANDOM_OPS:  # every rank draws the global result
+    if op in VALUE_RANDOM_OPS or _empty_tensor(args, kwargs):
+        # every rank draws the global result; an empty tensor is nothing to split (and DTensor's
+        # view rule loops forever on some zero-size shapes)
         rep = (Replicate(),) * device_mesh.ndim
         n_out = sum("Tensor" in str(r.type) for r in op._schema.returns)
         return [((rep,) * len(input_placements), (rep,) * n_out)]
@@ -53,6 +60,14 @@ def candidates(
         op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True
     )
     return random_candidates(op, found) if op in SHAPE_RANDOM_OPS else found
+
+
+def _empty_tensor(args, kwargs) -> bool:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    leaves = tree_flatten((tuple(args), dict(kwargs)))[0]
+    return any(isinstance(x, torch.Tensor) and x.numel() == 0 for x in leaves)
 
 
 def rules_mesh(shape: Sequence[int]) -> DeviceMesh:

@@ -33,20 +33,38 @@ def _first_tensor(x):
 
 
 def _wrap(v, rank: int):
+    return v % rank if v < 0 else v
+
+
+def _negate(v, rank: int):
+    return v - rank if 0 <= v < rank else v
+
+
+def _map(v, rank: int, f):
     if isinstance(v, bool) or v is None:
         return v
     if isinstance(v, int):
-        return v % rank if v < 0 else v
+        return f(v, rank)
     if isinstance(v, (list, tuple)) and all(
         isinstance(x, int) and not isinstance(x, bool) for x in v
     ):
-        return type(v)(x % rank if x < 0 else x for x in v)
+        return type(v)(f(x, rank) for x in v)
     return v
 
 
 def normalize_dims(op, args: Sequence, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every negative dim-like argument made non-negative (see the module
     docstring); unchanged for ops without a schema or a tensor argument."""
+    return _map_dims(op, args, kwargs, _wrap)
+
+
+def negate_dims(op, args: Sequence, kwargs: dict) -> tuple[tuple, dict]:
+    """The same call with every dim-like argument written negatively (``dim=1`` of a 3-d tensor
+    as ``dim=-2``): what the rule checker also tries, to see that normalising works."""
+    return _map_dims(op, args, kwargs, _negate)
+
+
+def _map_dims(op, args: Sequence, kwargs: dict, f) -> tuple[tuple, dict]:
     schema = getattr(op, "_schema", None)
     if schema is None:
         return tuple(args), dict(kwargs)
@@ -62,7 +80,7 @@ def normalize_dims(op, args: Sequence, kwargs: dict) -> tuple[tuple, dict]:
         if a.name not in _DIM_ARGS:
             continue
         if i < len(args) and not a.kwarg_only:
-            args[i] = _wrap(args[i], rank)
+            args[i] = _map(args[i], rank, f)
         elif a.name in kwargs:
-            kwargs[a.name] = _wrap(kwargs[a.name], rank)
+            kwargs[a.name] = _map(kwargs[a.name], rank, f)
     return tuple(args), kwargs

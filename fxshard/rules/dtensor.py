@@ -83,10 +83,12 @@ def _collect(strategy, n_in: int, found: dict) -> None:
     if isinstance(strategy, TupleStrategy):  # foreach-style; children zipped by index
         kids = [c for c in strategy.children if isinstance(c, OpStrategy)]
         for specs in zip(*(c.strategies for c in kids)):
-            ins = specs[0].input_specs
+            ins = _foreach_inputs(specs, n_in)
+            if ins is False:
+                continue  # inputs that cannot be matched to the flat tensor list: not a candidate
             found.setdefault(
                 (
-                    tuple(map(_plc, ins)) if ins else (None,) * n_in,
+                    ins,
                     tuple(
                         _plc(
                             s.output_specs
@@ -108,14 +110,27 @@ def _collect(strategy, n_in: int, found: dict) -> None:
             if isinstance(outs, DTensorSpec)
             else tuple(map(_plc, outs))
         )
-        if (
-            s.input_specs is None
-        ):  # DTensor semantics: every tensor input takes the output placement
+        # DTensor semantics: every tensor input takes the output placement
+        if s.input_specs is None:
             i = (o[0],) * n_in
         else:
             i = tuple(map(_plc, s.input_specs))
             i += (None,) * (n_in - len(i))
         found.setdefault((i, o), None)
+
+
+def _foreach_inputs(specs, n_in: int):
+    """The flat input placements of one foreach candidate: child ``i`` places element ``i`` of
+    every list argument, and the flat tensor order is list by list; False where the children's
+    inputs do not cover the ``n_in`` tensors exactly."""
+    if all(not s.input_specs for s in specs):
+        return (None,) * n_in
+    if any(not s.input_specs for s in specs):
+        return False
+    per_child = len(specs[0].input_specs)
+    if any(len(s.input_specs) != per_child for s in specs) or per_child * len(specs) != n_in:
+        return False
+    return tuple(_plc(s.input_specs[j]) for j in range(per_child) for s in specs)
 
 
 def _by_name(fn, first, **named):
@@ -165,9 +180,8 @@ def _single_dim(op, info, spec_schema, n_in: int, found: dict, reference: bool =
     inplace = op.name().split("::")[1].split(".")[0].endswith("_")
     unbacked = getattr(info, "allow_unbacked_sharding", None)
     uneven = getattr(info, "allow_uneven_sharding", False)
-    if (
-        reference or schema.is_out_variant_op()
-    ):  # out= variants: DTensor's (never in functional graphs)
+    # out= variants: DTensor's (never in functional graphs)
+    if reference or schema.is_out_variant_op():
         _collect(
             _by_name(
                 expand_to_full_mesh_op_strategy,

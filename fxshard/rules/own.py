@@ -76,6 +76,19 @@ VALUE_RANDOM_OPS = frozenset(
         aten.normal.float_Tensor,
         aten.normal.Tensor_Tensor,
         aten.rrelu_with_noise.default,
+        # in place (eager programs; captured graphs hold the functional forms): replicated, every
+        # rank overwriting its copy with the same global draw
+        aten.bernoulli_.float,
+        aten.bernoulli_.Tensor,
+        aten.uniform_.default,
+        aten.normal_.default,
+        aten.exponential_.default,
+        aten.cauchy_.default,
+        aten.log_normal_.default,
+        aten.geometric_.default,
+        aten.random_.default,
+        getattr(aten.random_, "from"),
+        aten.random_.to,
     }
 )
 

@@ -13,6 +13,8 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .excluded import forget_checked
+
 _USER_RULES: dict = {}
 
 
@@ -66,12 +68,14 @@ def register_rule(op: OpOverload | OpOverloadPacket, strategies: Sequence | Call
         for s in strategies:
             _check_strategy(op, s, n_in, n_out)
     _USER_RULES[op] = (strategies, n_in, n_out)
+    forget_checked(op)  # a new rule is checked anew
     return strategies
 
 
 def unregister_rule(op: OpOverload | OpOverloadPacket) -> None:
     """Forget a registered rule (a built-in op goes back to DTensor's)."""
     _USER_RULES.pop(_as_overload(op), None)
+    forget_checked(_as_overload(op))
 
 
 def _check_strategy(op, s, n_in, n_out):

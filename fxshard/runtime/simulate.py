@@ -67,13 +67,18 @@ class SimulatedMesh:
             dist.destroy_process_group()
         return False
 
+    def outside(self):
+        """A context in which tensors are plain again (no per-rank dispatch)."""
+        return self._mode.disable()
+
     # ---- conversions --------------------------------------------------------------------------
     def distribute(
         self, full: torch.Tensor, spec: ShardingSpec, *, partial_seed: int | None = None
     ):
         """Every rank's shard of ``full``.  Partial dims: by default rank 0 of the dim holds the
         value (the rest zeros / copies); with ``partial_seed`` the value is split into random
-        addends, so that a reduction really has something to add up."""
+        addends (sum, avg; for max / min, values below / above it on all but one rank), so that a
+        reduction really has something to reduce."""
         locals_ = {}
         with self._mode.disable():
             gen = torch.Generator().manual_seed(partial_seed) if partial_seed is not None else None
@@ -92,6 +97,18 @@ class SimulatedMesh:
                     self.shape[m] for m, op in spec.partials.items() if op == "avg"
                 )
                 parts = [p * avg_share for p in parts]
+            elif gen is not None and pdims and len(ops) == 1 and ops <= {"max", "min"}:
+                # max / min: one addend holds the value, the others lie below / above it
+                groups = math.prod(self.shape[m] for m in pdims)
+                sign = -1 if ops == {"max"} else 1
+                parts = [
+                    full
+                    + sign
+                    * torch.randn(full.shape, generator=gen, dtype=torch.float32)
+                    .abs()
+                    .to(full.dtype)
+                    for _ in range(groups - 1)
+                ] + [full]
             for r, c in self.coords.items():
                 if parts is not None:
                     j = 0
@@ -104,9 +121,11 @@ class SimulatedMesh:
                         spec.dtype,
                         spec.shard_order,
                     )
-                    locals_[r] = unsharded.shard_full(parts[j], c)
+                    locals_[r] = unsharded.shard_full(parts[j], c).clone()
                 else:
-                    locals_[r] = spec.shard_full(full, c)
+                    # a copy per rank: a replica that is the caller's tensor (or another rank's)
+                    # would see an in-place op once per rank, and change the caller's input
+                    locals_[r] = spec.shard_full(full, c).clone()
         return make_local_tensor(locals_)
 
     def assemble(
@@ -116,6 +135,13 @@ class SimulatedMesh:
         vals = local_tensor_values(local, self.world)
         with self._mode.disable():
             return assemble(vals, spec, self.coords, check_replicas=check_replicas)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (replicas that both hold NaN agree)."""
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
 
 
 def assemble(
@@ -149,7 +175,7 @@ def assemble(
         if check_replicas:
             prev = full[grid] if idx else full
             was = seen[grid] if idx else seen
-            if was.any() and not torch.equal(prev[was], local[was]):
+            if was.any() and not _same(prev[was], local[was]):
                 raise ReplicaMismatch(f"replicas disagree at rank {r} (coordinate {c}) for {spec}")
         if idx:
             full[grid] = local

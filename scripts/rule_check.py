@@ -1,0 +1,145 @@
+"""Check fxshard's sharding rules over all of torch's OpInfo samples (``op_db``).
+
+    python scripts/rule_check.py                       # summary table (about 10 minutes)
+    python scripts/rule_check.py --write               # ... and rewrite fxshard/rules/excluded.json
+    python scripts/rule_check.py --only cumsum,squeeze # some OpInfos
+
+Every ATen call the first samples of each OpInfo make (sizes made even, plus each call with its
+dims written negatively) is checked by ``fxshard.runtime.rulecheck``: every strategy fxshard would
+use, on simulated meshes (2,) and (2, 2), against single device.  Wrong strategies are excluded;
+``--write`` commits the exclusions (and this run's summary) to ``fxshard/rules/excluded.json``,
+which fxshard loads at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from fxshard.rules import dims, excluded  # noqa: E402
+from fxshard.runtime import rulecheck  # noqa: E402
+
+
+class _Timeout(BaseException):  # not an Exception: rules catch those
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def calls_of(opinfo, samples: int, negative: bool) -> list:
+    calls = rulecheck.opinfo_calls(opinfo, samples)
+    if negative:
+        more = []
+        for op, a, k in calls:
+            if op.name().startswith("aten::_fft"):  # torch's FFT kernels crash on dims < 0
+                continue
+            na, nk = dims.negate_dims(op, a, k)
+            if (na, nk) != (tuple(a), dict(k)):
+                more.append((op, na, nk))
+        calls += more
+    return calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated OpInfo names")
+    ap.add_argument("--samples", type=int, default=3, help="samples per OpInfo")
+    ap.add_argument("--per-op", type=int, default=6, help="distinct calls checked per ATen op")
+    ap.add_argument("--timeout", type=int, default=60, help="seconds per OpInfo")
+    ap.add_argument("--no-negative-dims", action="store_true")
+    ap.add_argument("--write", action="store_true", help="rewrite fxshard/rules/excluded.json")
+    ap.add_argument(
+        "--raw-dims", action="store_true", help="rules see dims as written (what normalising fixes)"
+    )
+    ap.add_argument("--json", default="", help="write the report here too")
+    opt = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("fxshard").setLevel(logging.ERROR)  # the summary says it all
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGALRM, _alarm)
+    from fxshard._torch import opinfo_db
+
+    op_db = opinfo_db()
+    if opt.raw_dims:
+        import fxshard.rules
+
+        fxshard.rules.normalize_dims = lambda op, a, k: (tuple(a), dict(k))
+    excluded.reset()  # check from nothing: the table this run writes is complete by itself
+    want = set(filter(None, opt.only.split(",")))
+    start = time.time()
+    report = rulecheck.RuleReport()
+    counted: collections.Counter = collections.Counter()
+    timeouts, opinfos = [], 0
+    for opinfo in op_db:
+        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+        if want and opinfo.name not in want and name not in want:
+            continue
+        opinfos += 1
+        signal.alarm(opt.timeout)
+        try:
+            calls = calls_of(opinfo, opt.samples, not opt.no_negative_dims)
+            todo = []
+            for op, a, k in rulecheck.unique_calls(calls, per_op=opt.per_op):
+                if counted[op] < opt.per_op:
+                    counted[op] += 1
+                    todo.append((op, a, k))
+            if todo:
+                report.merge(rulecheck.check_calls(todo, exclude=True))
+        except _Timeout:
+            timeouts.append(name)
+        finally:
+            signal.alarm(0)
+    elapsed = time.time() - start
+    by_op = collections.defaultdict(list)
+    for w in report.wrong:
+        by_op[w.op].append(w)
+    summary = {
+        "torch": torch.__version__,
+        "opinfos": opinfos,
+        "aten_ops": len(report.ops),
+        "call_mesh_pairs": report.calls,
+        "strategies_checked": report.checked,
+        "strategies_wrong": len(report.wrong),
+        "exclusions": len(report.excluded),
+        "ops_with_exclusions": len(by_op),
+        "skipped": report.skipped,
+        "timeouts": timeouts,
+        "seconds": round(elapsed),
+    }
+    print(f"## Rule check over op_db (torch {torch.__version__})\n")
+    print("| OpInfos | ATen ops | (call, mesh) pairs | strategies checked | wrong | excluded |")
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {opinfos} | {len(report.ops)} | {report.calls} | {report.checked} | "
+        f"{len(report.wrong)} | {len(report.excluded)} |\n"
+    )
+    print("| op | wrong strategies | why (first) |")
+    print("|---|---|---|")
+    for op, ws in sorted(by_op.items(), key=lambda kv: -len(kv[1])):
+        print(f"| `{op}` | {len(ws)} | {ws[0].strategy}: {ws[0].why[:90]} |")
+    print(f"\nskipped: {dict(report.skipped)}; timeouts: {timeouts}; {elapsed:.0f} s")
+    if opt.write:
+        path = os.path.join(ROOT, "fxshard", "rules", "excluded.json")
+        excluded.write(path, excluded.excluded(), summary)
+        print(f"wrote {path}")
+    if opt.json:
+        with open(opt.json, "w") as f:
+            json.dump({"summary": summary, "wrong": [w.__dict__ for w in report.wrong]}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Programs that used to come out silently wrong, one test per cause: each compares the sharded
+program (simulated ranks) with single device, or expects a clear error."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import fxshard
+
+M2 = fxshard.MeshSpec((2,))
+M22 = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
+
+
+def _x(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- 1. scans over a sharded dim, the dim written negatively ---------------------------------
+class Scan(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.op = op
+
+    def forward(self, x):
+        h = self.fc(x)  # colwise: h is sharded on its last dim
+        if self.op == "cumsum":
+            return h.cumsum(-1)
+        if self.op == "cumprod":
+            return (h * 0.1).cumprod(-1)
+        return h.logcumsumexp(-1)
+
+
+@pytest.mark.parametrize("op", ["cumsum", "cumprod", "logcumsumexp"])
+def test_a_scan_with_a_negative_dim_over_a_sharded_dim(op):
+    torch.manual_seed(0)
+    model, x = Scan(op), _x(4, 8)
+    prog = fxshard.shard(model, M2, {"fc": ColwiseParallel()}, example_inputs=(x,))
+    torch.testing.assert_close(prog.simulate(x), model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_norm_over_a_sharded_dim():
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 16)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.linalg.vector_norm(h, dim=-1), h.norm(), torch.linalg.vector_norm(h, 3.0)
+
+    torch.manual_seed(0)
+    model, x = Norm(), _x(4, 8)
+    prog = fxshard.shard(model, M2, {"fc": ColwiseParallel()}, example_inputs=(x,))
+    for got, want in zip(prog.simulate(x), model(x)):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+# ---- 2. random ops -------------------------------------------------------------------------------
+class DropMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
+class DropLoss(DropMLP):
+    def forward(self, x):
+        return super().forward(x).pow(2).sum()
+
+
+def test_dropout_draws_what_single_device_draws_for_the_same_seed():
+    torch.manual_seed(0)
+    model, x = DropMLP().train(), _x(8, 8)
+    prog = fxshard.shard(model, M22, PLAN, example_inputs=(x,))
+    torch.manual_seed(5)
+    got = prog.simulate(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(got, model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_masks_of_two_shards_are_not_the_same():
+    class Mask(nn.Module):
+        def forward(self, x):
+            return F.dropout(x, 0.5, training=True)
+
+    x = torch.ones(8, 64)
+    prog = fxshard.shard(Mask(), M2, {}, example_inputs=(x,), input_placements=[(Shard(1),)])
+    assert prog.output_specs[0].placements == (Shard(1),)  # the mask is drawn sharded
+    torch.manual_seed(3)
+    out = prog.simulate(x)
+    left, right = out[:, :32], out[:, 32:]
+    assert not torch.equal(left, right)
+    torch.manual_seed(3)
+    assert torch.equal(out, F.dropout(x, 0.5, training=True))
+
+
+def test_dropout_in_training_gives_single_device_gradients():
+    torch.manual_seed(0)
+    model, x = DropLoss().train(), _x(8, 8)
+    prog = fxshard.shard(model, M22, PLAN, example_inputs=(x,), training=True)
+    torch.manual_seed(5)
+    loss, grads = prog.simulate(x)
+    torch.manual_seed(5)
+    want = model(x)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5)
+
+
+# ---- 3. tied parameters ----------------------------------------------------------------------
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.embed(ids)))).logsumexp(-1).sum()
+
+
+def test_tied_weights_get_one_gradient_under_both_names():
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    prog = fxshard.shard(
+        model, M2, {"mid": ColwiseParallel(output_layouts=Replicate())},
+        example_inputs=(ids,), training=True,
+    )  # fmt: skip
+    _, grads = prog.simulate(ids)
+    model(ids).sum().backward()
+    torch.testing.assert_close(grads["embed.weight"], model.embed.weight.grad)
+    torch.testing.assert_close(grads["head.weight"], model.embed.weight.grad)
+
+
+def test_two_plan_entries_that_place_one_tied_tensor_apart_are_an_error():
+    ids = torch.randint(0, 32, (4, 6))
+    # the one (32, 16) tensor: rows sharded as the embedding, columns as the head's weight
+    plan = {"embed": RowwiseParallel(), "head": RowwiseParallel()}
+    with pytest.raises(
+        ValueError, match=r"embed\.weight.*head\.weight|head\.weight.*embed\.weight"
+    ):
+        fxshard.shard(Tied(), M2, plan, example_inputs=(ids,))
+
+
+# ---- 5. signatures -------------------------------------------------------------------------------
+def test_simulate_with_another_input_shape_or_dtype_is_an_error():
+    model, x = DropMLP().eval(), _x(4, 8)
+    prog = fxshard.shard(model, M2, PLAN, example_inputs=(x,))
+    with pytest.raises(ValueError, match=r"input 0 \(x\) has shape \(6, 8\).*traced for shape"):
+        prog.simulate(_x(6, 8))
+    with pytest.raises(ValueError, match=r"dtype torch.float64"):
+        prog.simulate(_x(4, 8).double())
+    with pytest.raises(TypeError, match="takes 1 inputs"):
+        prog.simulate(x, x)
+
+
+# ---- 6. a forward that updates a buffer in place -------------------------------------------------
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen.add_(x.sum(0))
+        return self.fc(x)
+
+
+def test_an_in_place_buffer_update_in_forward_is_applied():
+    torch.manual_seed(0)
+    model, ref, x = Counting(), Counting(), _x(4, 8)
+    ref.load_state_dict(model.state_dict())
+    prog = fxshard.shard(model, M22, {"fc": ColwiseParallel()}, example_inputs=(x,))
+    out = prog.simulate(x)
+    prog.simulate(x)
+    want = ref(x)
+    ref(x)
+    torch.testing.assert_close(out, want.detach())
+    torch.testing.assert_close(model.seen, ref.seen)
+    assert model.seen.abs().sum() > 0
+
+
+# ---- 8. Partial(avg) of integers ----------------------------------------------------------------
+def test_partial_avg_of_integers_keeps_the_dtype():
+    from fxshard.planner.execute import execute_plan, group_names
+    from fxshard.runtime.simulate import SimulatedMesh
+
+    plan = fxshard.plan_redistribute(M2, (Partial("avg"),), (Replicate(),), (4,), dtype=torch.int64)
+    full = torch.tensor([3, -5, 8, 1])
+    with SimulatedMesh((2,)) as sim:
+        local = sim.distribute(full, plan.src, partial_seed=0)  # random integer addends
+        out = execute_plan(plan, local, group_names(sim.device_mesh), (0,))
+        got = sim.assemble(out, plan.dst)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, full)
+
+
+# ---- 9. what the trace baked in ---------------------------------------------------------------
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_an_attribute_changed_after_sharding_is_an_error():
+    model, x = Scaled(), _x(4, 8)
+    prog = fxshard.shard(model, M2, {"fc": ColwiseParallel()}, example_inputs=(x,))
+    prog.simulate(x)
+    model.scale = 3.0
+    with pytest.raises(ValueError, match=r"scale.*2\.0.*3\.0|changed since it was sharded"):
+        prog.simulate(x)
+    model.scale = 2.0
+    model.eval()
+    with pytest.raises(ValueError, match="changed since it was sharded"):
+        prog.simulate(x)
+
+
+# ---- lowering: ops whose arguments carry global shapes ----------------------------------------
+def test_group_norm_with_a_sharded_batch():
+    class GN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, padding=1)
+            self.norm = nn.GroupNorm(2, 8)
+
+        def forward(self, x):
+            return self.norm(self.conv(x)).sum()
+
+    torch.manual_seed(0)
+    model, x = GN(), _x(4, 4, 6, 6)
+    prog = fxshard.shard(model, M22, {}, example_inputs=(x,), training=True)  # dp: batch split
+    norms = [n for n in prog.global_graph.graph.nodes if "group_norm" in str(n.target)]
+    assert norms and all(n.meta["fxshard"].spec[0].placements[0] == Shard(0) for n in norms)
+    loss, grads = prog.simulate(x)
+    model(x).backward()
+    torch.testing.assert_close(loss, model(x).detach(), rtol=1e-5, atol=1e-4)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_squeeze_keeps_a_shard_of_size_one():
+    def f(x):
+        return (x * 2).squeeze()  # (2, 1, 8): dim 0 sharded over 2 ranks is size 1 locally
+
+    x = _x(2, 1, 8)
+    prog = fxshard.shard(f, M2, None, example_inputs=(x,), input_placements=[(Shard(0),)])
+    torch.testing.assert_close(prog.simulate(x), f(x))
+
+
+def test_python_scalar_example_inputs():
+    def f(x, alpha, n):
+        return x * alpha + n
+
+    x = _x(4, 8)
+    prog = fxshard.shard(f, M2, None, example_inputs=(x, 0.5, 3))
+    torch.testing.assert_close(prog.simulate(x, 0.5, 3), f(x, 0.5, 3))
+    with pytest.raises(ValueError, match="baked into it"):
+        prog.simulate(x, 0.25, 3)
+
+
+def test_simulated_replicas_are_copies_of_the_callers_tensor():
+    from fxshard.runtime.simulate import SimulatedMesh
+
+    x = torch.zeros(4)
+    spec = fxshard.ShardingSpec.make(M22, (Replicate(), Replicate()), (4,), torch.float32)
+    with SimulatedMesh((2, 2)) as sim:
+        local = sim.distribute(x, spec)
+        local.add_(1)  # once per rank: on one shared buffer that would add 4 to the caller's x
+        got = sim.assemble(local, spec)
+    assert torch.equal(x, torch.zeros(4)) and torch.equal(got, torch.ones(4))
+
+
+def test_an_empty_tensor_is_planned_without_hanging():
+    def f(x):
+        return x.view(4, 2, 0, 0, 0)  # DTensor's view rule never returns for this one
+
+    x = torch.randn(4, 0)
+    prog = fxshard.shard(f, M2, None, example_inputs=(x,))
+    assert prog.simulate(x).shape == (4, 2, 0, 0, 0)
+
+
+def test_a_foreach_rule_places_every_list_element():
+    from fxshard.runtime import rulecheck
+
+    a, b = _x(4, 8), _x(4, 8, seed=2)
+    report = rulecheck.check_rule(
+        torch.ops.aten._foreach_norm.Scalar, [(([a, b], 1), {})], exclude=False
+    )
+    assert report.checked >= 8 and report.wrong == [], str(report)
