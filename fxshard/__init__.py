@@ -13,8 +13,10 @@ from .planner import RedistributePlan, Step, clear_plan_cache, plan_redistribute
 from .report import diff
 from .rules import register_rule, unregister_rule
 from .runtime import launch
+from .runtime.agree import AgreementOptions, RanksDisagree
 from .runtime.calibrate import calibrate
 from .runtime.program import ShardedProgram
+from .runtime.rulecheck import check_rule
 
 _register_torch_logs()
 
@@ -47,4 +49,7 @@ __all__ = [
     "AutoOptions",
     "AutoInfeasible",
     "launch",
+    "AgreementOptions",
+    "RanksDisagree",
+    "check_rule",
 ]

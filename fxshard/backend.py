@@ -22,7 +22,9 @@ Options (``options={...}``): ``mesh`` (a ``DeviceMesh``; a ``MeshSpec`` or shape
 ``auto_options``, ``tp_dim``, ``multi_dim_collectives`` (``fuse``: its old name),
 ``bucket_bytes``, ``cost_model``, ``inductor`` (False: run the per-rank graph eagerly, for
 debugging), ``simulate`` (True: run every rank in this process with exact collectives; outputs
-are the global values; no process group needed).
+are the global values; no process group needed), ``agreement`` (``fxshard.AgreementOptions``:
+how the ranks check, on each graph's first calls, that they run one program on the same inputs
+and parameters; see ``fxshard.runtime.agree``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .core.mesh import MeshSpec
 from .ir import INPUT, STATE_KINDS, TANGENT, info
 from .passes.lower import local_shape
 from .placement.constraints import PlanConstraints, resolve_plan
+from .runtime.agree import AgreementOptions, fail_together
 from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraining
 
 log = logging.getLogger("fxshard")
@@ -60,6 +63,7 @@ OPTIONS = (
     "inductor",
     "simulate",
     "auto_options",
+    "agreement",
 )
 
 
@@ -77,6 +81,7 @@ class BackendOptions:
     inductor: bool = True
     simulate: bool = False
     auto_options: object = None  # fxshard.AutoOptions, with plan="auto" (or a "*": "auto" entry)
+    agreement: AgreementOptions | None = None  # how the ranks check they run one program
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -116,6 +121,11 @@ class BackendOptions:
             )
         if opts.fuse is not None:
             opts.multi_dim_collectives = api._multi_dim(opts.multi_dim_collectives, opts.fuse)
+        if opts.agreement is not None and not isinstance(opts.agreement, AgreementOptions):
+            raise TypeError(
+                "fxshard backend: agreement must be fxshard.AgreementOptions(check_calls=..., "
+                f"src_data_rank=..., timeout_s=...), got {type(opts.agreement).__name__}"
+            )
         return opts
 
     @property
@@ -138,12 +148,14 @@ class _PlanScope:
         if not frame_modules:
             if opts.plan == "auto":
                 return resolve_plan("auto", None, mesh, opts.tp_dim), {}
-            if opts.plan:
+            if opts.plan and not calling_modules():
                 raise ValueError(
                     "fxshard backend: a module plan needs torch.compile of an nn.Module (this "
                     "graph "
                     "has no module parameters); pass plan={} for plain functions"
                 )
+            # no parameter in this graph (the tail of a module's forward after a graph break): the
+            # plan's entries place nothing here
             return resolve_plan(None, None, mesh, opts.tp_dim), {}
         for top, cons in self.tops.items():
             roots = _prefixes(top, frame_modules)
@@ -294,20 +306,42 @@ class ShardedGraph:
         arg_index = [info(p).arg_index for p in prog.placeholders]
         if opts.simulate:
             return lambda a: prog.simulate_placeholders([a[i] for i in arg_index])
-        compiled = CompiledProgram(prog, opts.mesh, inductor=opts.inductor, own_state=False)
+        compiled = CompiledProgram(
+            prog, opts.mesh, inductor=opts.inductor, own_state=False, agreement=opts.agreement
+        )
         kinds = [info(p).kind for p in prog.placeholders]
+        check = self._agreement(prog, compiled.agreement)
 
         def run(a):
-            local = []
-            for i, kind, spec in zip(arg_index, kinds, compiled.specs):
-                t = a[i]
-                if kind in STATE_KINDS:
-                    local.append(self._cached_shard(i, t, spec, compiled))
-                else:
-                    local.append(compiled.local_of(t, spec))
-            return compiled.run_local(local)
+            with fail_together(f"the sharded program of {prog.name}"):
+                check(a)
+                local = []
+                for i, kind, spec in zip(arg_index, kinds, compiled.specs):
+                    t = a[i]
+                    if kind in STATE_KINDS:
+                        local.append(self._cached_shard(i, t, spec, compiled))
+                    else:
+                        local.append(compiled.local_of(t, spec))
+                return compiled.run_local(local)
 
         return run
+
+    def _agreement(self, prog, agreement):
+        """check(args): the ranks' check of this call (its first calls only): the graph's user
+        inputs and (first call) the parameters / buffers it runs on, by their dynamo sources."""
+        inputs, state = [], []
+        for p in prog.placeholders:
+            rec = info(p)
+            if rec.kind in STATE_KINDS:
+                state.append((rec.fqn, rec.arg_index))
+            elif rec.kind == INPUT:
+                inputs.append((f"input {p.name}", rec.arg_index))
+
+        def check(a):
+            if agreement.active:
+                agreement.check({n: a[i] for n, i in inputs}, {f: a[i] for f, i in state})
+
+        return check
 
     def _training_entry(self, prog, args):
         """An autograd-aware runner: the arguments that require grad get global gradients."""
@@ -331,12 +365,19 @@ class ShardedGraph:
             return out
 
         compiled = CompiledTraining(
-            prog, self.opts.mesh, inductor=self.opts.inductor, localize=localize
+            prog,
+            self.opts.mesh,
+            inductor=self.opts.inductor,
+            localize=localize,
+            agreement=self.opts.agreement,
         )
+        check = self._agreement(prog, compiled.agreement)
 
         def run(a):
-            outs = compiled.apply([a[i] for i in index])
-            return list(outs) if isinstance(outs, tuple) else [outs]
+            with fail_together(f"the sharded program of {prog.name}"):
+                check(a)
+                outs = compiled.apply([a[i] for i in index])
+                return list(outs) if isinstance(outs, tuple) else [outs]
 
         return run
 
@@ -366,9 +407,8 @@ def fxshard_backend(
     opts = BackendOptions.parse(options)
     key = id(options)
     if key not in _SCOPES or _SCOPES[key][0] is not options:
-        while (
-            len(_SCOPES) >= 64
-        ):  # keep the newest compiles' scopes, not every options dict ever seen
+        # keep the newest compiles' scopes, not every options dict ever seen
+        while len(_SCOPES) >= 64:
             _SCOPES.pop(next(iter(_SCOPES)))
         _SCOPES[key] = (options, _PlanScope())
     constraints, roots = _SCOPES[key][1].resolve(opts, _frame_modules(gm))

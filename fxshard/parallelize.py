@@ -33,7 +33,8 @@ from .placement.greedy import state_placement
 from .placement.problem import PlacementProblem
 from .planner import plan_between
 from .planner.execute import execute_plan, group_names
-from .runtime.compiled import CompiledProgram, CompiledTraining, device_of
+from .runtime.agree import Agreement, AgreementOptions, fail_together
+from .runtime.compiled import CompiledProgram, CompiledTraining, device_of, input_values
 
 
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -55,6 +56,7 @@ class ParallelModule(nn.Module):
         cost_model: CostModelLike | None = None,
         inductor: bool = True,
         init_fn: Callable | None = None,
+        agreement: AgreementOptions | None = None,
     ):
         super().__init__()
         import torch.distributed as dist
@@ -83,6 +85,7 @@ class ParallelModule(nn.Module):
             cost_model=cost_model or CostModel(self.mesh),
         )
         self.inductor = inductor
+        self.agreement = agreement
         self.device = device_of(device_mesh)
         coord = device_mesh.get_coordinate()
         if coord is None:
@@ -101,6 +104,7 @@ class ParallelModule(nn.Module):
         entries = [(f, t, True) for f, t in model.named_parameters(remove_duplicate=False)] + [
             (f, t, False) for f, t in model.named_buffers(remove_duplicate=False)
         ]
+        self._agree_on_state(entries)
         shared: dict[int, tuple] = {}  # tied tensors: every alias gets the first FQN's shard
         problem = PlacementProblem(self.mesh, self.options["cost_model"], self.constraints)
         for fqn, t, is_param in entries:
@@ -134,6 +138,16 @@ class ParallelModule(nn.Module):
                 t,
                 local,
             )  # a global tensor is freed as soon as its shard replaces it (and its aliases')
+
+    def _agree_on_state(self, entries) -> None:
+        """Every rank shards the same global values: where the ranks' models differ (another seed),
+        rank ``src_data_rank``'s are taken (``AgreementOptions``), before any shard is cut."""
+        real = {f: t for f, t, _ in entries if t.device.type != "meta"}
+        layout = repr([(f, tuple(t.shape), str(t.dtype)) for f, t, _ in entries])
+        what = f"fxshard.parallelize({type(self.module).__name__})"
+        check = Agreement(self.device_mesh, layout, self.agreement, what=what)
+        with fail_together(what):
+            check.check({}, real)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer as its global tensor (gathered; on every rank)."""
@@ -261,10 +275,16 @@ class ParallelModule(nn.Module):
                     f"program wants {rec.spec}"
                 )
         if training:
-            compiled = CompiledTraining(prog, self.device_mesh, inductor=self.inductor)
+            compiled = CompiledTraining(
+                prog, self.device_mesh, inductor=self.inductor, agreement=self.agreement
+            )
         else:
             compiled = CompiledProgram(
-                prog, self.device_mesh, inductor=self.inductor, own_state=False
+                prog,
+                self.device_mesh,
+                inductor=self.inductor,
+                own_state=False,
+                agreement=self.agreement,
             )
         self._programs[key] = (prog, compiled)
         return prog, compiled
@@ -290,18 +310,22 @@ class ParallelModule(nn.Module):
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
         )
         prog, compiled = self.program_for(*inputs, training=training)
-        args = []
-        for p in prog.placeholders:
-            rec = info(p)
-            if rec.kind in STATE_KINDS:
-                args.append(self._local(rec.fqn))
-            elif rec.kind == INPUT:
-                x = inputs[rec.input_index]
-                args.append(rec.spec.local_of(x.to(self.device), self.coord))
-        if training:
-            outs = compiled.apply(args)
-            return prog.restructure(list(outs) if isinstance(outs, tuple) else [outs])
-        return prog.restructure(compiled.run_local(args))
+        with fail_together(f"the sharded program of {prog.name}"):
+            # the shards differ across ranks by design: the ranks compare the inputs only
+            compiled.agreement.check(input_values(prog, inputs))
+            args = []
+            for p in prog.placeholders:
+                rec = info(p)
+                if rec.kind in STATE_KINDS:
+                    args.append(self._local(rec.fqn))
+                elif rec.kind == INPUT:
+                    x = inputs[rec.input_index]
+                    args.append(rec.spec.local_of(x.to(self.device), self.coord))
+            if training:
+                outs = compiled.apply(args)
+                return prog.restructure(list(outs) if isinstance(outs, tuple) else [outs])
+            local = {r.what: self._local(r.what) for r in prog.output_roles() if r.kind == "mutate"}
+            return prog.restructure(prog.apply_updates(compiled.run_local(args), local))
 
 
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs) -> ParallelModule:
@@ -309,5 +333,7 @@ def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs)
 
     ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``,
     ``inductor`` (False: run the per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)``
-    (fills shards of a meta-built model)."""
+    (fills shards of a meta-built model), ``agreement`` (``fxshard.AgreementOptions``: where the
+    ranks' models differ, rank ``src_data_rank``'s values are sharded; the first calls of each
+    program check that every rank passes the same inputs)."""
     return ParallelModule(model, device_mesh, plan, **kwargs)

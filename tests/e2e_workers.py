@@ -56,9 +56,8 @@ def _compile_zoo(cases):
             assert torch.equal(got, got2)
             if path == "backend_updates":
                 out.append((name, shape, path, _rel(got.detach(), want)))
-                with (
-                    torch.no_grad()
-                ):  # an optimizer-style in-place update, then a replaced parameter
+                # an optimizer-style in-place update, then a replaced parameter
+                with torch.no_grad():
                     model.fc1.weight.mul_(0.5)
                 out.append(
                     (name, shape, "in-place update", _rel(f(*x).detach(), model(*x).detach()))
@@ -185,3 +184,101 @@ def backend_train(rank, world, shape, names, inductor, steps=2):
             fn(*x).float().pow(2).mean().backward()
             opt.step()
     return max(_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+# ---- ranks that disagree (tests/test_agree.py) ---------------------------------------------------
+class DropMLP(nn.Module):
+    """fc1 -> relu -> dropout -> fc2: a program that draws random numbers."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _outcome(fn):
+    """("ok", value) or (exception type name, message)."""
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - the test looks at what each rank saw
+        return (type(e).__name__, str(e))
+
+
+def _drop_mlp(seed):
+    torch.manual_seed(seed)
+    return DropMLP()
+
+
+def ranks_disagree(rank, world):
+    """Differences between the ranks the runtime must notice: every rank's outcome per case."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = zoo.mlp_plan()
+    opts = fxshard.AgreementOptions(timeout_s=30)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    out = {}
+    with torch.no_grad():
+        # another batch on rank 1: every rank raises before the program's collectives
+        ref = _drop_mlp(0).eval()
+        fn = fxshard.shard(ref, dm, plan, example_inputs=(x,)).compile(agreement=opts)
+        mine = x + rank
+        out["inputs"] = _outcome(lambda: fn(mine))
+        # another seed per rank: rank 0's weights are sharded, and the model now holds them
+        model = _drop_mlp(rank).eval()
+        fn = fxshard.shard(model, dm, plan, example_inputs=(x,)).compile(agreement=opts)
+        got = fn(x)
+        out["weights"] = (_rel(got, ref(x)), _rel(model.fc1.weight, ref.fc1.weight))
+        # dropout with generators seeded apart: an error; seeded alike: eager's masks
+        model = _drop_mlp(0).train()
+        fn = fxshard.shard(model, dm, plan, example_inputs=(x,)).compile(agreement=opts)
+        torch.manual_seed(100 + rank)
+        out["random"] = _outcome(lambda: fn(x))
+        torch.manual_seed(7)
+        got = fn(x)
+        torch.manual_seed(7)
+        out["random_alike"] = _rel(got, model(x))
+        # the backend: weights taken from rank 0, then one rank recompiles for another shape
+        torch._dynamo.reset()
+        model = _drop_mlp(rank).eval()
+        f = torch.compile(
+            model, backend="fxshard", options={"mesh": dm, "plan": plan, "agreement": opts}
+        )
+        out["backend_weights"] = _rel(f(x), ref(x))
+        shape = (4, 16) if rank == 0 else (6, 16)
+        out["backend_recompile"] = _outcome(lambda: f(torch.ones(shape)))
+    return out
+
+
+def rank_fails_alone(rank, world, case):
+    """One rank fails (or never comes) while the other runs the program's collectives: both must
+    raise, well within the process group's timeout.  (outcome, seconds) per rank."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = zoo.mlp_plan()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    calls = 2 if case == "absent" else 0
+    opts = fxshard.AgreementOptions(check_calls=calls, timeout_s=5, collective_timeout_s=5)
+    with torch.no_grad():
+        fn = fxshard.shard(_drop_mlp(0).eval(), dm, plan, example_inputs=(x,)).compile(
+            agreement=opts
+        )
+        start = time.monotonic()
+        if rank == 1 and case == "bad_input":
+            outcome = _outcome(lambda: fn(torch.ones(5, 16)))  # fails the signature check
+        elif rank == 1 and case == "absent":
+            outcome = _outcome(lambda: dist.all_reduce(torch.ones(3)))  # another collective
+        elif rank == 1 and case == "hung":
+            time.sleep(20)  # alive, never comes, never fails
+            outcome = ("hung", "")
+        else:
+            outcome = _outcome(lambda: fn(x))
+    return outcome[0], outcome[1][:300], time.monotonic() - start

@@ -19,6 +19,14 @@ from ..core.spec import ShardingSpec
 from ..ir import INPUT, PARAM, STATE_KINDS, TANGENT, info
 from ..passes.lower import bind_groups, local_shape
 from ..planner.execute import group_names
+from .agree import (
+    Agreement,
+    AgreementOptions,
+    fail_together,
+    fingerprint,
+    limit_timeouts,
+    uses_random,
+)
 
 if TYPE_CHECKING:  # annotations only
     from .program import ShardedProgram
@@ -29,6 +37,29 @@ def device_of(device_mesh: DeviceMesh) -> torch.device:
     if t == "cpu":
         return torch.device("cpu")
     return torch.device(t, torch.get_device_module(t).current_device())
+
+
+def agreement_for(
+    program: ShardedProgram,
+    device_mesh: DeviceMesh,
+    options: AgreementOptions | None,
+    specs: Sequence[ShardingSpec],
+) -> Agreement:
+    """The ranks' check of ``program`` (``fxshard.runtime.agree``)."""
+    return Agreement(
+        device_mesh,
+        fingerprint(
+            program.local_graph_on(device_of(device_mesh)), [*specs, *program.output_specs]
+        ),
+        options,
+        random=uses_random(program.global_graph),
+        what=f"the sharded program of {program.name}",
+    )
+
+
+def input_values(program: ShardedProgram, inputs: Sequence) -> dict[str, object]:
+    """The user inputs a call passes, by name (what the ranks compare)."""
+    return {f"input {i} ({program.input_name(i)})": v for i, v in enumerate(inputs)}
 
 
 def _check_mesh(program, device_mesh) -> tuple:
@@ -66,6 +97,7 @@ class CompiledProgram:
         *,
         inductor: bool = True,
         own_state: bool = True,
+        agreement: AgreementOptions | None = None,
     ):
         coord = _check_mesh(program, device_mesh)
         self.program = program
@@ -82,13 +114,13 @@ class CompiledProgram:
         self.inductor = inductor
         self.fn = inductor_compile(local, example) if inductor else local
         self.local_graph = local
-        # parameters, buffers and constants: the captured ones sliced once (``own_state``); callers
-        # that hold their own shards (the backend, parallelize) pass them to run_local instead
+        self.agreement = agreement_for(program, device_mesh, agreement, self.specs)
+        limit_timeouts(local, device_mesh.device_type, self.agreement.options)
+        # parameters, buffers and constants: the captured ones sliced on the first call, after the
+        # ranks agreed on them (``own_state``); callers that hold their own shards (the backend,
+        # parallelize) pass them to run_local instead
+        self.own_state = own_state
         self.state: dict[str, torch.Tensor] = {}
-        for p, spec in zip(program.placeholders, self.specs):
-            rec = info(p)
-            if own_state and rec.kind in STATE_KINDS:
-                self.state[rec.fqn] = self.local_of(program.captured.state[rec.fqn], spec)
 
     def local_of(self, full: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
         """This rank's shard of a global tensor (a local slice, no communication)."""
@@ -100,15 +132,28 @@ class CompiledProgram:
 
     def __call__(self, *inputs):
         prog = self.program
-        prog.check_inputs(inputs)
-        args = []
-        for p, spec in zip(prog.placeholders, self.specs):
+        with fail_together(f"the sharded program of {prog.name}"):
+            prog.check_inputs(inputs)
+            if self.own_state and not self.state:
+                self._own_state(inputs)
+            else:
+                self.agreement.check(input_values(prog, inputs))
+            args = []
+            for p, spec in zip(prog.placeholders, self.specs):
+                rec = info(p)
+                if rec.kind in STATE_KINDS:
+                    args.append(self.state[rec.fqn])
+                else:
+                    args.append(self.local_of(inputs[rec.input_index], spec))
+            return prog.restructure(prog.apply_updates(self.run_local(args), self.state))
+
+    def _own_state(self, inputs: Sequence = ()) -> None:
+        state = self.program.captured.state
+        self.agreement.check(input_values(self.program, inputs), state)
+        for p, spec in zip(self.program.placeholders, self.specs):
             rec = info(p)
             if rec.kind in STATE_KINDS:
-                args.append(self.state[rec.fqn])
-            else:
-                args.append(self.local_of(inputs[rec.input_index], spec))
-        return prog.restructure(self.run_local(args))
+                self.state[rec.fqn] = self.local_of(state[rec.fqn], spec)
 
 
 class CompiledTraining:
@@ -129,6 +174,7 @@ class CompiledTraining:
         *,
         inductor: bool = True,
         localize: Callable | None = None,
+        agreement: AgreementOptions | None = None,
     ):
         if not program.training:
             raise ValueError(
@@ -159,6 +205,8 @@ class CompiledTraining:
                 n.target = n.name = "primals_mesh_coord"
         local.recompile()
         self._state: dict | None = None  # the captured state's local shards (made on first call)
+        self.agreement = agreement_for(program, device_mesh, agreement, self.primal_specs)
+        limit_timeouts(local, device_mesh.device_type, self.agreement.options)
         fw, bw = partition_joint(local, self.num_fwd)
         self.forward_graph, self.backward_graph = fw, bw
         if inductor:
@@ -180,29 +228,32 @@ class CompiledTraining:
         ``(outputs, grads)``, ``grads[fqn]`` this rank's gradient shard (placed like the
         parameter)."""
         prog = self.program
-        prog.check_inputs(inputs)
-        if self._state is None:
-            self._state = {}
-            for (kind, fqn, _), spec in zip(self.primal_kinds, self.primal_specs):
-                if kind in STATE_KINDS:
-                    t = spec.local_of(
-                        prog.captured.state[fqn].detach().to(self.device), self.coord_ints
-                    )
-                    self._state[fqn] = t.requires_grad_(kind == PARAM)
-        args = []
-        for (kind, fqn, index), spec in zip(self.primal_kinds, self.primal_specs):
-            args.append(
-                self._state[fqn]
-                if kind in STATE_KINDS
-                else spec.local_of(inputs[index].to(self.device), self.coord_ints)
-            )
-        for t in self._state.values():
-            t.grad = None
-        outs = self.apply(args)
-        flat = list(outs) if isinstance(outs, tuple) else [outs]
-        gos = [prog.grad_output(i, o, grad_outputs).to(self.device) for i, o in enumerate(flat)]
-        torch.autograd.backward(flat, gos)
-        return outs, {f: t.grad for f, t in self._state.items() if t.grad is not None}
+        with fail_together(f"the sharded program of {prog.name}"):
+            prog.check_inputs(inputs)
+            first = self._state is None
+            self.agreement.check(input_values(prog, inputs), prog.captured.state if first else None)
+            if first:
+                self._state = {}
+                for (kind, fqn, _), spec in zip(self.primal_kinds, self.primal_specs):
+                    if kind in STATE_KINDS:
+                        t = spec.local_of(
+                            prog.captured.state[fqn].detach().to(self.device), self.coord_ints
+                        )
+                        self._state[fqn] = t.requires_grad_(kind == PARAM)
+            args = []
+            for (kind, fqn, index), spec in zip(self.primal_kinds, self.primal_specs):
+                args.append(
+                    self._state[fqn]
+                    if kind in STATE_KINDS
+                    else spec.local_of(inputs[index].to(self.device), self.coord_ints)
+                )
+            for t in self._state.values():
+                t.grad = None
+            outs = self.apply(args)
+            flat = list(outs) if isinstance(outs, tuple) else [outs]
+            gos = [prog.grad_output(i, o, grad_outputs).to(self.device) for i, o in enumerate(flat)]
+            torch.autograd.backward(flat, gos)
+            return outs, {f: t.grad for f, t in self._state.items() if t.grad is not None}
 
     def grads_for_inputs(self, grads: Sequence) -> list:
         """Backward outputs mapped onto (mesh coordinate, *primal inputs); None where no
@@ -293,7 +344,8 @@ class _TrainingStep(torch.autograd.Function):
             else torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
             for i, s in ctx.runner.tangents
         ]
-        outs = ctx.runner.bw(*saved, *tangents)
+        with fail_together(f"the backward of the sharded program of {ctx.runner.program.name}"):
+            outs = ctx.runner.bw(*saved, *tangents)
         return (None, *ctx.runner.grads_for_inputs(list(outs)))
 
 

@@ -22,7 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, threads, fn, args, queue):
+def _worker(rank, world_size, port, backend, threads, collective_timeout, fn, args, queue):
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -31,11 +33,17 @@ def _worker(rank, world_size, port, backend, threads, fn, args, queue):
     )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
         try:
             out = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # not after fxshard aborted the groups (fail_together)
+                dist.destroy_process_group()
         queue.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -48,17 +56,24 @@ def spawn(
     backend: str = "gloo",
     threads: int = 1,
     timeout: float = 900.0,
+    collective_timeout: float = 300.0,
 ) -> list:
-    """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns every rank's result."""
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes; returns every rank's result.
+
+    ``timeout``: seconds the whole run may take (then every rank is stopped and this raises);
+    ``collective_timeout``: the process group's timeout (a collective that waits longer raises)."""
+    import queue as queues
+    import time
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, threads, fn, args, queue),
+            args=(r, world_size, port, backend, threads, collective_timeout, fn, args, queue),
             daemon=False,
         )
         for r in range(world_size)
@@ -66,18 +81,34 @@ def spawn(
     for p in procs:
         p.start()
     results, errors = {}, {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get()
-            (results if ok else errors)[rank] = payload
-            if errors:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, payload = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queues.Empty:
+                if time.monotonic() < deadline and any(p.is_alive() for p in procs):
+                    continue
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                if not errors:
+                    errors[-1] = (
+                        f"ranks {missing} did not finish within {timeout:.0f} s (a hang, or a rank "
+                        "that died without reporting)"
+                    )
                 break
+            (results if ok else errors)[rank] = payload
+            if errors:  # the others get a few seconds to report their side of it
+                deadline = min(deadline, time.monotonic() + 10)
     finally:
         for p in procs:
-            p.join(timeout=timeout if not errors else 5)
+            p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
     if errors:
-        rank = min(errors)
-        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+        rank = min(errors, key=lambda r: (r < 0, r))  # a rank's own error first
+        others = "".join(
+            f"\n--- rank {r} also failed:\n{errors[r][-1500:]}" for r in sorted(errors) if r != rank
+        )
+        who = "the run" if rank < 0 else f"rank {rank} of {world_size}"
+        raise RuntimeError(f"{who} failed:\n{errors[rank]}{others}")
     return [results[r] for r in range(world_size)]

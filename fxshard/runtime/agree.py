@@ -1,0 +1,324 @@
+"""Ranks agree, or fail together.
+
+A sharded program is one program run by every rank: if the ranks run different programs (one
+recompiled for another input shape), pass different global inputs, or hold different initial
+weights, the collectives still "work" and return wrong values, or deadlock.  So:
+
+* on the first call of every compiled program (and every recompile) the ranks exchange a small
+  fingerprint (the per-rank graph, the placements, the input shapes and dtypes) and, on the first
+  ``check_calls`` calls, a checksum of every global input; any difference is an error on every
+  rank, naming the ranks and what differs, raised before any collective of the program runs;
+* parameters and buffers are taken from rank 0 where the ranks' copies differ (DTensor's
+  ``src_data_rank=0``; the ranks' tensors are overwritten in place, as DDP does at construction);
+  ``src_data_rank=None`` keeps each rank's own copy;
+* the exchange runs on a gloo group of its own with a bounded timeout, so a rank that never
+  joins (it runs another program, or died) makes the others raise within that time;
+* an error on one rank inside fxshard's runtime aborts the process groups, so that the other
+  ranks, waiting in a collective, raise within seconds instead of at the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._torch import (
+    COLLECTIVE_OPS,
+    abort_process_groups,
+    limit_group_timeout,
+    tensor_version,
+)
+from ..rules import SHAPE_RANDOM_OPS, VALUE_RANDOM_OPS
+
+log = logging.getLogger("fxshard")
+
+DEFAULT_TIMEOUT_S = 300.0  # the agreement check's wait for every rank (5 minutes)
+DEFAULT_CHECK_CALLS = 2  # calls of each program whose inputs the ranks compare
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks run different programs, or call one with different global values.
+
+    ``together``: every rank raised it (a difference they all saw), so no rank waits in a
+    collective; False where this rank gave up waiting for the others (they may be stuck)."""
+
+    def __init__(self, message: str, *, together: bool = True):
+        super().__init__(message)
+        self.together = together
+
+
+@dataclass(frozen=True)
+class AgreementOptions:
+    """``check_calls``: how many first calls of each program compare the ranks' inputs (0: off);
+    ``src_data_rank``: where parameters come from when the ranks' copies differ (None: each
+    rank's own); ``timeout_s``: how long the check waits for every rank;
+    ``collective_timeout_s``: the process groups a program's collectives run on get at most this
+    timeout (seconds; None: leave them as they are), so that a collective whose peer never
+    comes raises instead of waiting out the group's own timeout (30 minutes for gloo)."""
+
+    check_calls: int = DEFAULT_CHECK_CALLS
+    src_data_rank: int | None = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    collective_timeout_s: float | None = DEFAULT_TIMEOUT_S
+
+
+_GROUPS: dict = {}  # cache: (mesh ranks, timeout) -> the gloo group of the agreement checks
+
+
+def _real_group() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+
+
+def _check_group(device_mesh: DeviceMesh, timeout_s: float):
+    ranks = tuple(sorted(int(r) for r in device_mesh.mesh.flatten().tolist()))
+    key = (ranks, float(timeout_s))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(
+            ranks=list(ranks),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            use_local_synchronization=True,
+        )
+    return _GROUPS[key]
+
+
+def limit_timeouts(local: torch.fx.GraphModule, device_type: str, options: AgreementOptions):
+    """Bound the timeout of every process group the per-rank graph's collectives use."""
+    seconds = options.collective_timeout_s
+    if seconds is None:
+        return
+    names = {
+        n.args[-1]
+        for n in local.graph.nodes
+        if n.op == "call_function" and n.target in COLLECTIVE_OPS and isinstance(n.args[-1], str)
+    }
+    lowered = [g for g in sorted(names) if limit_group_timeout(g, device_type, seconds)]
+    if lowered:
+        log.info(
+            "fxshard: process groups %s now time out after %.0f s "
+            "(AgreementOptions.collective_timeout_s)",
+            lowered,
+            seconds,
+        )
+
+
+def checksum(t: torch.Tensor) -> str:
+    """A digest of a tensor's shape, dtype and values (exact for values, any device)."""
+    h = hashlib.sha1(f"{tuple(t.shape)}{t.dtype}".encode())
+    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(local: torch.fx.GraphModule, specs: Sequence) -> str:
+    """A digest of a per-rank program: its code and the placements of its inputs and outputs."""
+    h = hashlib.sha1(local.code.encode())
+    h.update(repr([str(s) for s in specs]).encode())
+    return h.hexdigest()[:16]
+
+
+def uses_random(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph draws random numbers (its ranks' generators must then agree)."""
+    ops = SHAPE_RANDOM_OPS | VALUE_RANDOM_OPS
+    return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
+
+
+def _rng_checksum(device: torch.device) -> str:
+    states = [torch.get_rng_state()]
+    if device.type != "cpu":
+        states.append(torch.get_device_module(device.type).get_rng_state())
+    return "/".join(checksum(s) for s in states)
+
+
+class Agreement:
+    """The ranks' check of one compiled program (one per program and rank).
+
+    ``check(inputs, state)`` runs on each of the first ``check_calls`` calls, before the program:
+    one exchange (on the check group, bounded by ``timeout_s``) of the program's fingerprint, a
+    checksum of every global input, of the random generator state when the program draws random
+    numbers, and (first call only) of every parameter / buffer.  A difference in the first three
+    raises ``RanksDisagree`` on every rank; parameters / buffers that differ are made rank
+    ``src_data_rank``'s (in place) and named in a warning."""
+
+    def __init__(
+        self,
+        device_mesh: DeviceMesh,
+        program_fingerprint: str,
+        options: AgreementOptions | None = None,
+        *,
+        random: bool = False,
+        what: str = "a sharded program",
+    ):
+        self.device_mesh = device_mesh
+        self.fingerprint = program_fingerprint
+        self.options = options or AgreementOptions()
+        self.random = random
+        self.what = what
+        self.calls = 0
+        self.state_checked = False
+        self.device = torch.device(device_mesh.device_type)
+        # a fake process group (one process playing a rank of a larger world) has no peers to ask
+        self.enabled = bool(self.options.check_calls) and _real_group()
+        if self.enabled:
+            # made now, while every rank builds the program: a group is made by all its ranks
+            _check_group(device_mesh, self.options.timeout_s)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.calls < self.options.check_calls
+
+    def check(
+        self, inputs: Mapping[str, object], state: Mapping[str, torch.Tensor] | None = None
+    ) -> list[str]:
+        """Compare this call across the ranks (see the class); returns the state names copied."""
+        if not self.active:
+            return []
+        self.calls += 1
+        fields = {"program": self.fingerprint}
+        for name, v in inputs.items():
+            fields[name] = checksum(v) if isinstance(v, torch.Tensor) else repr(v)
+        if self.random:
+            fields["random generator state"] = _rng_checksum(self.device)
+        sums = {}
+        if state is not None and not self.state_checked:
+            self.state_checked = True
+            sums = {f: checksum(t) for f, t in state.items() if not _agreed(t)}
+        got = self._exchange((fields, sums))
+        _raise_on_difference(self.what, [(r, mine) for r, (mine, _) in got])
+        copied = self._take_state(state or {}, [(r, theirs) for r, (_, theirs) in got])
+        if len(_AGREED) > 4096:
+            for k in [k for k, (ref, _) in _AGREED.items() if ref() is None]:
+                del _AGREED[k]
+        for f in sums:
+            _AGREED[id(state[f])] = (weakref.ref(state[f]), _stamp(state[f]))
+        return copied
+
+    def _exchange(self, mine):
+        group = _check_group(self.device_mesh, self.options.timeout_s)
+        me = dist.get_rank()
+        got: list = [None] * dist.get_world_size(group)
+        try:
+            dist.all_gather_object(got, (me, mine), group=group)
+        except Exception as e:
+            raise RanksDisagree(
+                f"fxshard: rank {me} waited {self.options.timeout_s:.0f} s for every rank of the "
+                f"mesh to check {self.what} before running it, and some did not come: they run "
+                "another program (a recompile on one rank only: inputs of other shapes?), or "
+                f"failed. ({type(e).__name__}: {str(e)[:200]})",
+                together=False,
+            ) from e
+        return sorted(got)
+
+    def _take_state(self, state: Mapping[str, torch.Tensor], got: list) -> list[str]:
+        names = sorted({f for _, sums in got for f in sums})
+        if not names:
+            return []
+        missing = [(r, f) for r, sums in got for f in names if f not in sums]
+        if missing:
+            raise RanksDisagree(
+                f"fxshard: the ranks run {self.what} with different parameters / buffers: rank "
+                f"{missing[0][0]} has no {missing[0][1]!r}"
+            )
+        differ = [f for f in names if len({sums[f] for _, sums in got}) > 1]
+        if not differ:
+            return []
+        src = self.options.src_data_rank
+        if src is None:
+            log.warning(
+                "fxshard: %d parameters / buffers differ across ranks (e.g. %s) and "
+                "src_data_rank=None keeps each rank's own: replicated ones then give each rank "
+                "another result",
+                len(differ),
+                differ[:3],
+            )
+            return []
+        group = _check_group(self.device_mesh, self.options.timeout_s)
+        src_rank = int(self.device_mesh.mesh.flatten()[src])
+        with torch.no_grad():
+            for f in differ:
+                t = state[f]
+                buf = t.detach().to("cpu", copy=True).contiguous()
+                dist.broadcast(buf, src=src_rank, group=group)
+                t.copy_(buf)
+        log.warning(
+            "fxshard: %d parameters / buffers differ across ranks (e.g. %s); every rank now holds "
+            "rank %d's values (src_data_rank=%d; seed the model alike on every rank, or pass "
+            "src_data_rank=None to keep each rank's own)",
+            len(differ),
+            differ[:3],
+            src_rank,
+            src,
+        )
+        return differ
+
+
+# tensors the ranks found equal, unchanged since: {id: (weakref, (version, data pointer))}
+_AGREED: dict[int, tuple] = {}
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    return (tensor_version(t), t.data_ptr())
+
+
+def _agreed(t: torch.Tensor) -> bool:
+    hit = _AGREED.get(id(t))
+    return hit is not None and hit[0]() is t and hit[1] == _stamp(t)
+
+
+def _raise_on_difference(what: str, got: list) -> None:
+    keys = []
+    for _, fields in got:
+        keys += [k for k in fields if k not in keys]
+    diffs = []
+    for key in keys:
+        values = {r: fields.get(key, "(none)") for r, fields in got}
+        if len(set(values.values())) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in list(values.items())[:8])
+            diffs.append(f"{key} ({shown})")
+    if not diffs:
+        return
+    hint = (
+        "Every rank must run the same program on the same global inputs: pass every rank the "
+        "same (global) batch"
+    )
+    if any(d.startswith("random generator state") for d in diffs):
+        hint += ", and seed every rank alike (torch.manual_seed(s) with one s) so that random ops "
+        hint += "draw one global tensor"
+    if any(d.startswith("program") for d in diffs):
+        hint += "; a rank that compiled for other shapes or options runs another program"
+    raise RanksDisagree(f"fxshard: the ranks disagree on {what}: {'; '.join(diffs)}. {hint}.")
+
+
+@contextlib.contextmanager
+def fail_together(what: str) -> Iterator[None]:
+    """Inside: an error aborts the process groups first (the other ranks then raise within
+    seconds instead of waiting in a collective), and says so."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, RanksDisagree) and e.together:
+            raise  # every rank raises it: none waits
+        if dist.is_available() and dist.is_initialized():
+            log.error(
+                "fxshard: %s failed on rank %d (%s); aborting the process groups so that the "
+                "other ranks fail too",
+                what,
+                dist.get_rank(),
+                type(e).__name__,
+            )
+            abort_process_groups()
+            note = getattr(e, "add_note", None)  # Python 3.11+
+            if note is not None:
+                note(
+                    f"fxshard aborted the process groups after this error in {what}, so that the "
+                    f"other ranks do not wait for this one: re-initialise them to go on"
+                )
+        raise
