@@ -95,9 +95,8 @@ def main():
     import fxshard
     from fxshard import zoo
 
-    if (
-        "fxshard" not in torch._dynamo.list_backends()
-    ):  # not pip-installed (no entry point): register by hand
+    # not pip-installed (no entry point): register by hand
+    if "fxshard" not in torch._dynamo.list_backends():
         from fxshard.backend import fxshard_backend
 
         torch._dynamo.register_backend(name="fxshard")(fxshard_backend)

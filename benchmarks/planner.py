@@ -170,9 +170,8 @@ def run_mesh(mesh, n_cases, rng, torch_graph=True):
                 )
             )
             row.update(t_graph=t_graph, c_graph=adapter.torch_score(tsrc, steps))
-        if (
-            so is None and do is None
-        ):  # greedy ignores shard order: only comparable on default orders
+        # greedy ignores shard order: only comparable on default orders
+        if so is None and do is None:
             (_, steps), t_greedy = timed(
                 functools.partial(adapter.torch_plan, dm, src, dst, shape, dtype, graph=False)
             )

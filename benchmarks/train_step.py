@@ -148,9 +148,8 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name):
             loss = step()
         compile_s = time.perf_counter() - t
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-        if label.startswith(
-            "fxshard"
-        ):  # the forward and backward graphs it compiled, one step's worth
+        # the forward and backward graphs it compiled, one step's worth
+        if label.startswith("fxshard"):
             counter = CollectiveCounter()
             for _prog, runner in module._programs.values():
                 count_graph(runner.forward_graph.graph, counter)

@@ -29,6 +29,43 @@ tree_map = _pytree.tree_map
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+
+def record_aten_calls(fn: Callable, clone: Callable) -> list:
+    """Run ``fn()`` and return every ATen call it made: ``[(op, clone(args), clone(kwargs))]``
+    (``clone`` maps each argument, e.g. copying tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if isinstance(func, OpOverload):
+                calls.append((func, tree_map(clone, tuple(args)), tree_map(clone, dict(kwargs))))
+            return func(*args, **kwargs)
+
+    with Recorder():
+        fn()
+    return calls
+
+
+def opinfo_db() -> list:
+    """torch's OpInfo database (``op_db``: every op's sample inputs), and its size constants made
+    even so that samples shard on meshes of 2 (S=5 -> 4, M=10 -> 8, XS=3 -> 2)."""
+    import sys
+
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.testing._internal") and mod is not None:
+            for k, old, new in (("S", 5, 4), ("XS", 3, 2), ("M", 10, 8)):
+                if getattr(mod, k, None) == old:
+                    setattr(mod, k, new)
+    return list(op_db)
+
 
 _KINDS = {Shard: "S", Replicate: "R", Partial: "P", _StridedShard: "SS"}
 
@@ -350,6 +387,9 @@ def describe(desc: object) -> tuple[str, object]:
         return "tangent", out.idx if isinstance(out, d.PlainAOTOutput) else None
     if isinstance(desc, d.PlainAOTOutput):
         return "output", desc.idx
+    if isinstance(desc, d.InputMutationAOTOutput):
+        kind, what = describe(desc.mutated_input)
+        return "mutate_" + kind, what
     if isinstance(desc, d.GradAOTOutput):
         kind, what = describe(desc.grad_of)
         return (
@@ -417,6 +457,13 @@ def fake_mode_of(values: Sequence) -> object | None:
     return detect_fake_mode(tuple(values))
 
 
+def no_fake_mode():
+    """Context without the active fake mode (real tensors compute for real inside)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def is_fake_of(mode: object, value: object) -> bool:
     """``value`` is a fake tensor of ``mode``."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -465,7 +512,68 @@ COLLECTIVE_OPS = frozenset(
 )
 
 
+def abort_process_groups() -> None:
+    """Abort every process group of this process (peers waiting in a collective then fail fast)."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    except Exception:  # not available, or not for this backend: tear the groups down instead
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def limit_group_timeout(group_name: str, device_type: str, seconds: float) -> bool:
+    """Lower the timeout of the process group ``group_name`` to ``seconds`` (never raise it);
+    True if it was lowered."""
+    import datetime
+
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        backend = _resolve_process_group(group_name)._get_backend(torch.device(device_type))
+        current = backend.options._timeout
+    except Exception:  # a backend without options (fake, custom): leave it
+        return False
+    limit = datetime.timedelta(seconds=seconds)
+    if current <= limit:
+        return False
+    backend._set_default_timeout(limit)
+    return True
+
+
 def flattened_group_name(device_mesh: DeviceMesh, mesh_dim_names: Sequence[str]) -> str:
     """The process group of the flattened sub-mesh over ``mesh_dim_names`` (created once per
     mesh)."""
     return device_mesh[tuple(mesh_dim_names)]._flatten().get_group(0).group_name
+
+
+def is_data_dependent_error(e: BaseException) -> bool:
+    """A trace that stopped at a value-dependent shape or branch (``if x.sum() > 0``,
+    ``x[mask]``, ``nonzero``), anywhere in the exception's chain."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    while e is not None:
+        if isinstance(e, kinds) or "data-dependent" in str(e)[:300]:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+_CONTROL_FLOW = ("cond", "while_loop", "map_impl", "scan", "associative_scan", "invoke_subgraph")
+
+
+def control_flow_op(node) -> str | None:
+    """The name of a control-flow operator (``torch.cond``, ``while_loop`` ...) a node calls."""
+    target = getattr(node, "target", None)
+    if node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        name = getattr(target, "__name__", str(target))
+        return name if name in _CONTROL_FLOW else None
+    return None

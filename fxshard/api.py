@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from .capture import Captured, capture_dynamo_graph, capture_forward, capture_joint
+from .capture.common import ModelSnapshot
 from .core.config import DEFAULT_BUCKET_BYTES, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
@@ -122,7 +123,8 @@ def capture(
         )
     else:
         c = capture_forward(model, example_inputs, boundaries=constraints.hooked)
-    return dataclasses.replace(c, config=config, constraints=constraints)
+    snapshot = ModelSnapshot.of(model) if isinstance(model, nn.Module) else None
+    return dataclasses.replace(c, config=config, constraints=constraints, snapshot=snapshot)
 
 
 def _check_placements(mesh, input_placements, output_placements) -> None:
@@ -158,6 +160,7 @@ def annotate(
     _check_placements(config.mesh, input_placements, output_placements)
     if not cons.auto and auto_options is not None:
         raise ValueError("auto_options applies to plan='auto' (or a plan with a '*': 'auto' entry)")
+    auto_options = _auto_options(auto_options)
     # The greedy choices are made on unfused costs and fusion is applied when the redistributions
     # are planned: each planned redistribution then costs at most its unfused plan, so a fused
     # program is never worse than the unfused one (greedy choices made on fused costs can be).
@@ -170,6 +173,7 @@ def annotate(
         multi_dim=config.multi_dim_collectives if cons.auto else False,
         batch_size=config.batch_size,
         replicate_grads=config.replicate_grads,
+        training=captured.training,
     )
     if cons.auto:
         captured.warnings, captured.auto = annotate_auto(
@@ -340,6 +344,26 @@ def shard(
         c.gm.graph.lint()
         c.gm.recompile()
     return program(c, after_lower=by_point["after_lower"], after_bucket=by_point["after_bucket"])
+
+
+def _auto_options(options) -> AutoOptions | None:
+    """``AutoOptions``, or a dict of its fields."""
+    if options is None or isinstance(options, AutoOptions):
+        return options
+    if isinstance(options, dict):
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(AutoOptions)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"auto_options: unknown field(s) {unknown}; AutoOptions has {sorted(known)}"
+            )
+        return AutoOptions(**options)
+    raise TypeError(
+        f"auto_options must be fxshard.AutoOptions(...) (or a dict of its fields), got "
+        f"{type(options).__name__}"
+    )
 
 
 def shard_dynamo_graph(

@@ -404,3 +404,47 @@ def test_plan_boundaries_are_marked_with_their_tags():
         "layers.0.attention.wo:out:0",
     } <= tags
     assert all(info(n).module for n in c.gm.graph.nodes if info(n).kind == "boundary")
+
+
+_BEHAVIOUR: dict = {}  # outside the layers' state: what the reuse_layers proof must catch
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * _BEHAVIOUR.get(id(self), 1.0)
+
+
+def test_layers_alike_in_state_but_not_in_behaviour_are_traced_plainly(caplog):
+    """Equal state is not proof: a forward reading something outside its state (here a global
+    keyed by the module) traces differently for the second layer, and stitching is refused."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_Scaled() for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.pow(2).sum()
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(4, 8)
+    _BEHAVIOUR[id(m.layers[1])] = 3.0
+    try:
+        with caplog.at_level(logging.INFO, logger="fxshard.stitch"):
+            prog = fxshard.shard(m, fxshard.MeshSpec((2,)), {}, example_inputs=(x,), training=True)
+        assert "trace to different graphs" in caplog.text
+        loss, grads = prog.simulate(x)
+        m.zero_grad()
+        ref = m(x)
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5)
+    finally:
+        _BEHAVIOUR.clear()

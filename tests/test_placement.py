@@ -29,6 +29,7 @@ def _(x):
 
 
 def _problem(captured, **kw):
+    kw.setdefault("training", captured.training)
     return PlacementProblem(captured.mesh, captured.cost_model, captured.constraints, **kw)
 
 

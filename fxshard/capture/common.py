@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .._torch import record_frames_of
+from .._torch import control_flow_op, is_data_dependent_error, record_frames_of
 from ..ir import BOUNDARY, INPUT, TANGENT, NodeKind, info
 
 
@@ -36,6 +36,8 @@ class Captured:
     # a joint forward+backward graph (outputs: forward outputs, then gradients)
     training: bool = False
     scalar_inputs: dict = field(default_factory=dict)  # input position -> the Python value baked in
+    # what of the model the trace baked in (plain attributes, train / eval, which tensors)
+    snapshot: ModelSnapshot | None = None
     # ShardConfig: mesh, cost model, collective options (fxshard.capture sets it)
     config: object = None
     constraints: object = None  # PlanConstraints of the user's plan (fxshard.capture sets it)
@@ -97,10 +99,85 @@ def source_line(stack_trace: str | None) -> tuple[str, str]:
     lines = stack_trace.strip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME.search(lines[i])
-        if m and "/torch/" not in m.group(1) and not _ours(m.group(1)):
+        path = m.group(1) if m else ""
+        if m and "/torch/" not in path and not _ours(path) and not path.startswith("<"):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}", code
     return "", ""
+
+
+def module_name(module: nn.Module) -> str:
+    """What the user calls the traced thing: the model's class, or the function's name."""
+    if isinstance(module, FnModule):
+        return getattr(module.fn, "__qualname__", None) or type(module.fn).__name__
+    return type(module).__name__
+
+
+def _user_frame(e: BaseException) -> tuple[str, str]:
+    """(file:line, code) of the innermost frame outside torch and fxshard in ``e``'s chain."""
+    import linecache
+    import traceback
+
+    best = ("", "")
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for fr in traceback.extract_tb(e.__traceback__):
+            path = fr.filename
+            if "/torch/" in path or "/fxshard/" in path or path.startswith("<"):
+                continue
+            code = (fr.line or linecache.getline(path, fr.lineno or 0)).strip()
+            best = (f"{path.rsplit('/', 1)[-1]}:{fr.lineno}", code)
+        e = e.__cause__ or e.__context__
+    return best
+
+
+def trace_error(module: nn.Module, e: BaseException, what: str = "trace") -> RuntimeError:
+    """The error to raise when tracing ``module`` failed: what, where in the user's code, and
+    what to do for the failures users meet (value-dependent shapes and branches)."""
+    name = module_name(module)
+    where, code = _user_frame(e)
+    at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    if is_data_dependent_error(e):
+        return RuntimeError(
+            f"fxshard.capture: {name} has a shape or a branch that depends on tensor values{at}. "
+            "A sharded program is traced once, with every shape and branch fixed: compute the "
+            "value outside the model and pass it in (a Python number is baked in), or use masking "
+            f"(torch.where) instead of boolean indexing, nonzero or `if` on a tensor. "
+            f"(torch: {first})"
+        )
+    return RuntimeError(f"fxshard.capture: could not {what} {name}{at}: {type(e).__name__}: {e}")
+
+
+def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
+    """torch.cond / while_loop / ... are not sharded, nor are shapes that depend on tensor values
+    (``x[mask]``, ``nonzero``): a clear error naming where they are."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if any(
+            isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
+            for v in vals
+        ):
+            where, code = source_line(node.meta.get("stack_trace"))
+            at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+            raise RuntimeError(
+                f"fxshard.capture: {module_name(module)} makes a tensor whose shape depends on "
+                f"tensor values{at} (node {node.name}: {node.target}). A sharded program is traced "
+                "once, with every shape fixed: use masking (torch.where, multiplying by the mask) "
+                "instead of boolean indexing, nonzero, masked_select or unique"
+            )
+        op = control_flow_op(node)
+        if op is None:
+            continue
+        where, code = source_line(node.meta.get("stack_trace"))
+        at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+        raise NotImplementedError(
+            f"fxshard.capture: {module_name(module)} uses torch.{op}{at} (node {node.name}); "
+            "fxshard does not shard control-flow operators yet: compute both branches and pick "
+            "with torch.where, or run the loop in Python outside the compiled region"
+        )
 
 
 def record(gm: fx.GraphModule, kinds: list[tuple[str, object]], roots: dict | None = None) -> int:
@@ -181,3 +258,49 @@ def check_no_input_mutation(gm: fx.GraphModule) -> None:
                 "updates of "
                 f"parameters, buffers or inputs inside a sharded graph are not supported yet"
             )
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+@dataclass(frozen=True)
+class ModelSnapshot:
+    """What a trace bakes into the program besides the tensors' values: every module's plain
+    Python attributes (numbers, strings, flags; train / eval mode) and which tensor each parameter
+    and buffer name holds.  ``changes(model)`` lists what differs now; a program traced once does
+    not see such a change (``torch.compile`` guards on them and recompiles)."""
+
+    attrs: tuple  # ((module fqn, attribute, value), ...)
+    tensors: tuple  # ((fqn, id of the tensor), ...)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelSnapshot:
+        attrs = []
+        for fqn, m in model.named_modules():
+            for k, v in vars(m).items():
+                if isinstance(v, _PLAIN) or (
+                    isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)
+                ):
+                    attrs.append((fqn, k, v))
+        tensors = [(f, id(t)) for f, t in model.named_parameters(remove_duplicate=False)]
+        tensors += [(f, id(t)) for f, t in model.named_buffers(remove_duplicate=False)]
+        return cls(tuple(attrs), tuple(tensors))
+
+    def changes(self, model: nn.Module) -> list[str]:
+        now = ModelSnapshot.of(model)
+        if now == self:
+            return []
+        out = []
+        was = {(f, k): v for f, k, v in self.attrs}
+        for f, k, v in now.attrs:
+            if (f, k) in was and was[(f, k)] != v:
+                out.append(
+                    f"{f + '.' if f else ''}{k} was {was[(f, k)]!r} when traced, is {v!r} now"
+                )
+        ids = dict(self.tensors)
+        for f, i in now.tensors:
+            if f in ids and ids[f] != i:
+                out.append(
+                    f"{f} is another tensor than when traced (the program holds the old one)"
+                )
+        return out

@@ -8,8 +8,17 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..ir import BUFFER, CONSTANT, INPUT, PARAM
-from .common import Captured, FnModule, decomposition_table, record, take_scalar_inputs
+from ..ir import BUFFER, CONSTANT, INPUT, PARAM, Role, info
+from .common import (
+    Captured,
+    FnModule,
+    check_control_flow,
+    decomposition_table,
+    module_name,
+    record,
+    take_scalar_inputs,
+    trace_error,
+)
 from .markers import Markers
 
 
@@ -26,21 +35,21 @@ def capture_forward(
             # torch's own pytree deprecation noise during export
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = torch.export.export(module, tuple(example_inputs), strict=False)
-    except Exception as e:  # surface which model failed, keep torch's reason
-        raise RuntimeError(
-            f"fxshard.capture: torch.export could not trace {type(module).__name__}: {e}"
-        ) from e
+    except Exception as e:  # surface which model failed and where, keep torch's reason
+        raise trace_error(module, e, "trace (torch.export)") from e
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = ep.run_decompositions(decomposition_table())
     sig = ep.graph_signature
-    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+    if sig.user_inputs_to_mutate:
+        names = sorted(sig.user_inputs_to_mutate.values())
         raise NotImplementedError(
-            "fxshard.capture: the model mutates buffers/inputs in forward "
-            f"({dict(sig.buffers_to_mutate)}); "
-            f"in-place state updates are not supported by the sharding pass yet"
+            f"fxshard.capture: {module_name(module)} updates its input(s) {names} in place; a "
+            f"sharded program takes its inputs as values, so the update would be lost: return the "
+            f"new value instead"
         )
     gm = ep.graph_module
+    check_control_flow(gm, module)
     state: dict[str, torch.Tensor] = {}
     state.update(ep.state_dict)
     state.update(ep.constants)
@@ -61,6 +70,7 @@ def capture_forward(
                 f"fxshard.capture: unsupported graph input kind {k} for {name}"
             )
     n_inputs = record(gm, [kinds[p.name] for p in gm.graph.nodes if p.op == "placeholder"])
+    _state_updates(gm, sig)
     scalars = take_scalar_inputs(gm, example_inputs)
     for name, t in list(state.items()):
         if isinstance(t, nn.Parameter):
@@ -73,3 +83,21 @@ def capture_forward(
         out_spec=ep.call_spec.out_spec,
         scalar_inputs=scalars,
     )
+
+
+def _state_updates(gm, sig) -> None:
+    """A forward that updates a parameter or buffer in place returns its new value first: the
+    output node's roles say so (``("mutate", fqn)``), and the program writes it back."""
+    roles, k = [], 0
+    for spec in sig.output_specs:
+        kind = spec.kind.name
+        if kind == "USER_OUTPUT":
+            roles.append(Role("output", k))
+            k += 1
+        elif kind in ("BUFFER_MUTATION", "PARAMETER_MUTATION"):
+            roles.append(Role("mutate", spec.target))
+        else:
+            raise NotImplementedError(f"fxshard.capture: unsupported graph output of kind {kind}")
+    if len(roles) != k:
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        info(out).roles = tuple(roles)

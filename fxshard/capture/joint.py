@@ -33,10 +33,12 @@ from . import stitch
 from .common import (
     Captured,
     FnModule,
+    check_control_flow,
     check_no_input_mutation,
     decomposition_table,
     record,
     take_scalar_inputs,
+    trace_error,
 )
 from .markers import Markers
 
@@ -61,6 +63,7 @@ def capture_joint(
     that does not apply."""
     module = model if isinstance(model, nn.Module) else FnModule(model)
     gm, out_spec = _export(module, example_inputs, boundaries, reuse_layers)
+    check_control_flow(gm, module)
     use_flat_codegen(gm)  # AOT's pytree codegen groups inputs/outputs as (primals, tangents)
     kinds = _placeholder_kinds(gm, input_kinds)
     mark_gradients(gm)
@@ -151,9 +154,7 @@ def _export(module: nn.Module, example_inputs: Sequence, boundaries, reuse_layer
             with fm:
                 return export_joint(module, fakes, decomposition_table())
     except Exception as e:
-        raise RuntimeError(
-            f"fxshard.capture: could not trace the forward+backward of {type(module).__name__}: {e}"
-        ) from e
+        raise trace_error(module, e, "trace the forward+backward of") from e
 
 
 @contextlib.contextmanager
@@ -202,16 +203,25 @@ def _output_roles(out: fx.Node, input_kinds) -> list[Role]:
     """The role of every output; gradients of inputs that are really parameters become the
     parameters' gradients."""
     roles = [describe(d) for d in out.meta.get("desc", ())]
-    other = [r[0] for r in roles if r[0] not in ("output", "grad_param", "grad_input", "NoneType")]
-    if other:  # e.g. InputMutationAOTOutput: BatchNorm updating running stats in training mode
+
+    def name(what):  # a dynamo graph's inputs are numbered: name them by their FQN
+        if isinstance(what, int) and input_kinds is not None and what < len(input_kinds):
+            return input_kinds[what][1] or f"input {what}"
+        return str(what)
+
+    updated = [name(r[1]) for r in roles if r[0].startswith("mutate_")]
+    if updated:  # BatchNorm updating its running statistics in train mode, say
         raise NotImplementedError(
-            "fxshard.capture: the model's forward+backward has outputs of kind "
-            f"{sorted(set(other))} (an in-place "
-            "update of a buffer or input, e.g. BatchNorm running statistics in train mode); "
-            "in-place state "
-            "updates are not supported by the sharding pass yet (use eval() for such modules, or "
-            "remove the "
-            f"update)"
+            f"fxshard.capture: the model updates {sorted(set(updated))} in place during a training "
+            f"step (BatchNorm running statistics in train mode, say); sharded training programs "
+            f"do not apply in-place state updates yet: put such modules in eval() mode, or move "
+            f"the update out of forward (forward-only programs apply them)"
+        )
+    other = [r[0] for r in roles if r[0] not in ("output", "grad_param", "grad_input", "NoneType")]
+    if other:
+        raise NotImplementedError(
+            f"fxshard.capture: the model's forward+backward has outputs of kind "
+            f"{sorted(set(other))}, which sharded training programs do not support"
         )
     if input_kinds is not None:
         user_index = {}

@@ -64,9 +64,8 @@ def state_signature(layer: nn.Module):
             if k in _SKIP_ATTRS:
                 continue
             if k in _HOOKS:
-                if (
-                    name and v
-                ):  # fxshard's boundary markers by what they mark (their tags are rewritten)
+                # fxshard's boundary markers by what they mark (their tags are rewritten)
+                if name and v:
                     attrs.append(
                         (
                             k,

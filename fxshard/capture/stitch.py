@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .._torch import describe, export_joint, is_fake_of, tree_flatten
+from .._torch import describe, export_joint, is_fake_of, no_fake_mode, tree_flatten
 from ..ir import BOUNDARY
 from .layers import alike_layers, tensor_key
 from .markers import Markers
@@ -178,6 +178,7 @@ def opaque_layers(
     if not torch.is_grad_enabled():
         raise Unsupported("gradients are off: nothing to differentiate")
     traces: dict[tuple, _LayerTrace] = {}
+    checked: set[tuple] = set()  # signatures whose trace a second layer's trace confirmed
     patched = []
     prefix = f"{id(model):x}"
 
@@ -194,6 +195,21 @@ def opaque_layers(
                 with markers.marking(True):  # markers inside the layer belong in its graph
                     lt = traces[sig] = _trace_layer(
                         f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode, decompositions
+                    )
+            elif sig not in checked and fqn != lt.fqn:
+                # Equal state is not proof of equal behaviour (a forward may read a global, or
+                # its module's identity): a second layer is traced too, and must give the very
+                # graph the first gave.
+                checked.add(sig)
+                with markers.marking(True):
+                    other = _trace_layer(
+                        f"{prefix}:check", fqn, layer, args, fake_mode, decompositions
+                    )
+                _LAYERS.pop(other.key, None)
+                if not _same_trace(lt, other):
+                    raise Unsupported(
+                        f"{lt.fqn} and {fqn} have equal state but trace to different graphs (their "
+                        f"forward depends on something outside their state)"
                     )
             outs = [
                 torch.empty_strided(s, st, dtype=dt, device=dev).requires_grad_(d)
@@ -298,6 +314,62 @@ def _trace_layer(key, fqn, layer, args, fake_mode, decompositions) -> _LayerTrac
     lt = _LayerTrace(key, fqn, names, outs, spec.type is not tuple, grad_of, gm, diff, consts)
     _LAYERS[key] = lt
     return lt
+
+
+def _trace_key(lt: _LayerTrace) -> list:
+    """A layer's joint graph as comparable tuples: op, target, arguments (nodes by position, marker
+    tags relative to the layer), value shapes and dtypes; tensor constants by shape and dtype."""
+    pos = {n: i for i, n in enumerate(lt.joint.graph.nodes)}
+    prefix = lt.fqn + "."
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("node", pos[a])
+        if isinstance(a, str):
+            return a[len(prefix) :] if a.startswith(prefix) else a
+        if isinstance(a, float):
+            return ("float", a.hex())
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        return (
+            type(a).__name__,
+            a if isinstance(a, (int, bool, type(None), torch.dtype)) else repr(a),
+        )
+
+    out = []
+    for n in lt.joint.graph.nodes:
+        v = n.meta.get("val")
+        val = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+        target = str(n.target) if n.op != "get_attr" else None
+        out.append((n.op, target, arg(n.args), arg(n.kwargs), val))
+    return out
+
+
+def _same_trace(a: _LayerTrace, b: _LayerTrace) -> bool:
+    if a.out_meta != b.out_meta or a.diff != b.diff or a.grad_of != b.grad_of:
+        return False
+    if _trace_key(a) != _trace_key(b):
+        return False
+    ca = [n.target for n in a.joint.graph.nodes if n.op == "get_attr"]
+    cb = [n.target for n in b.joint.graph.nodes if n.op == "get_attr"]
+    for x, y in zip(ca, cb):  # tensor constants made in forward: equal values too
+        tx, ty = a.consts[x], b.consts[y]
+        if not isinstance(tx, torch.Tensor) or not isinstance(ty, torch.Tensor):
+            if tx is not ty:
+                return False
+        elif tx.shape != ty.shape or tx.dtype != ty.dtype or not _equal(tx, ty):
+            return False
+    return True
+
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    try:
+        with no_fake_mode():  # the probing pass runs under the fake mode
+            return bool(torch.equal(x, y))
+    except Exception:  # a constant with no data to compare: not proven equal
+        return False
 
 
 def _attr(gm, target: str):

@@ -40,7 +40,8 @@ class ShardConfig:
     ) -> ShardConfig:
         """From a ``MeshSpec`` or ``DeviceMesh``, with the default cost model when none is given;
         checks that a given cost model prices this mesh."""
-        device_mesh = None if isinstance(mesh, MeshSpec) else mesh
+        # a DeviceMesh runs the program; a MeshSpec or a shape only plans it
+        device_mesh = mesh if hasattr(mesh, "get_group") else None
         spec = MeshSpec.from_device_mesh(mesh)
         cm = cost_model if cost_model is not None else CostModel(spec)
         if not hasattr(cm, "collective") or not isinstance(getattr(cm, "mesh", None), MeshSpec):

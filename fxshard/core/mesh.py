@@ -99,9 +99,21 @@ class MeshSpec:
 
     @classmethod
     def from_device_mesh(cls, device_mesh: DeviceMesh | MeshSpec, **overrides) -> MeshSpec:
-        """Build from a ``torch.distributed.DeviceMesh`` (or pass a MeshSpec through)."""
+        """Build from a ``torch.distributed.DeviceMesh`` (or pass a MeshSpec through; a shape
+        such as ``(2, 4)`` is taken as ``MeshSpec((2, 4))``)."""
         if isinstance(device_mesh, MeshSpec):
             return device_mesh
+        if isinstance(device_mesh, int) and not isinstance(device_mesh, bool):
+            device_mesh = (device_mesh,)
+        if isinstance(device_mesh, (tuple, list)) and all(
+            isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in device_mesh
+        ):
+            return cls(tuple(device_mesh), **overrides)
+        if not hasattr(device_mesh, "mesh_dim_names") or not hasattr(device_mesh, "mesh"):
+            raise TypeError(
+                f"fxshard: expected a mesh (a torch DeviceMesh from init_device_mesh, an "
+                f"fxshard.MeshSpec, or a shape such as (2, 4)), got {device_mesh!r}"
+            )
         names = device_mesh.mesh_dim_names
         overrides.setdefault("devices_per_host", _devices_per_host(device_mesh.device_type))
         return cls(tuple(device_mesh.mesh.shape), names, **overrides)

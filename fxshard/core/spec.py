@@ -188,9 +188,8 @@ def _plain_levels(mesh: MeshSpec, placements, ndim: int, order: dict | None = No
                 return None
         else:
             return None
-    if (
-        order is not None
-    ):  # must name every sharded dim, with exactly its mesh dims (else: the general path)
+    # must name every sharded dim, with exactly its mesh dims (else: the general path)
+    if order is not None:
         for d in by_dim:
             if d not in order:
                 return None

@@ -105,6 +105,12 @@ def resolve_plan(
     """The constraints of ``plan`` on ``model``.  Without a plan: none, but the plan dim is still
     known where it can be (``tp_dim``, a 1-D mesh, a dim named ``tp``): inputs are then
     batch-sharded on the other (data-parallel) dims."""
+    if plan is not None and not isinstance(plan, (dict, str)):
+        raise TypeError(
+            f"plan must be a dict of module FQN -> ParallelStyle or tp_plan string (e.g. "
+            f'{{"fc1": ColwiseParallel(), "fc2": "rowwise"}}), "auto", or None; got '
+            f"{type(plan).__name__}"
+        )
     if isinstance(plan, str):
         if plan != AUTO:
             raise ValueError(
@@ -146,7 +152,8 @@ def resolve_plan(
                     f"known: {sorted(HF_STYLES)}"
                 )
             style = HF_STYLES[style]()
-        matches = [f for f in modules if f and _match(pattern, f)]
+        # "" is the model itself (a plan for a bare nn.Linear)
+        matches = [f for f in modules if (f or not pattern) and _match(pattern, f)]
         if not matches:
             close = difflib.get_close_matches(pattern, [f for f in modules if f], n=5, cutoff=0.5)
             raise ValueError(
@@ -200,7 +207,7 @@ def _params(module: nn.Module):
 
 def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: str):
     def set_param(name, placement):
-        out.params[f"{fqn}.{name}"] = (placement, prov)
+        out.params[f"{fqn}.{name}" if fqn else name] = (placement, prov)
 
     def need(n_in, n_out):
         a, b = out.hooked.get(fqn, (0, 0))
@@ -241,13 +248,13 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
         out.boundaries[f"{fqn}:out:0"] = (style.output_layouts[0], prov)
     elif isinstance(style, SequenceParallel):
         for name, _ in mod.named_parameters():
-            out.params[f"{fqn}.{name}"] = (Replicate(), prov)
+            out.params[f"{fqn}.{name}" if fqn else name] = (Replicate(), prov)
         need(1, 0)
         out.boundaries[f"{fqn}:in:0"] = (style.sequence_sharding[0], prov)
         _hint(out, fqn, 0, style.sequence_sharding[0])
     elif style == "replicate":
         for name, _ in mod.named_parameters():
-            out.params[f"{fqn}.{name}"] = (Replicate(), prov)
+            out.params[f"{fqn}.{name}" if fqn else name] = (Replicate(), prov)
     elif isinstance(style, PrepareModuleInputOutput):
         _apply_style(out, fqn, mod, style.prepare_module_input, prov)
         _apply_style(out, fqn, mod, style.prepare_module_output, prov)

@@ -93,9 +93,8 @@ def dijkstra(P: Problem, target_stacks: Iterable[Levels], graph: dict | None = N
         if graph is not None and state in graph:
             continue  # recorded by an earlier run, with everything reachable from it
         nbrs = expand(state, gcost, 0.0, shards, sharded, inf)
-        if (
-            graph is not None
-        ):  # packed states: plain levels pack alike in every search (see state_key)
+        # packed states: plain levels pack alike in every search (see state_key)
+        if graph is not None:
             graph[state] = [(x[0], x[1]) for x in nbrs]
         for new_state, step_cost, new_shards, new_mask, _dh, _move in nbrs:
             ng = gcost + step_cost

@@ -151,6 +151,11 @@ def plan_redistribute(
         )
         multi_dim_collectives = bool(fuse)
     mesh = MeshSpec.from_device_mesh(mesh)
+    if cost_model is not None and not callable(getattr(cost_model, "collective", None)):
+        raise TypeError(
+            "plan_redistribute: cost_model must be a fxshard.CostModel (or any object with "
+            f"collective(kind, mesh_dims, nbytes) -> us), got {type(cost_model).__name__}"
+        )
     shape = tuple(int(s) for s in shape)
     if any(n < 0 for n in shape):
         raise ValueError(f"plan_redistribute: shape {shape} has a negative size")

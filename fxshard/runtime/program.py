@@ -17,6 +17,7 @@ from ..passes.bucket import bucket_collectives
 from ..passes.lower import bind_groups, collective_nodes, lower_to_local, planned_collectives
 from ..placement.problem import modelled_cost
 from ..planner.execute import group_names
+from .agree import AgreementOptions
 from .simulate import SimulatedMesh
 
 
@@ -186,9 +187,23 @@ class ShardedProgram:
         with 1; otherwise pass ``grad_outputs`` (one per differentiable output)."""
         self.check_inputs(inputs)
         if not self.training:
-            return self.restructure(self.simulate_placeholders(self.placeholder_values(inputs)))
+            flat = self.simulate_placeholders(self.placeholder_values(inputs))
+            return self.restructure(self.apply_updates(flat, self.captured.state))
         flat = self.simulate_placeholders(self.placeholder_values(inputs, grad_outputs))
         return self.split_training_outputs(flat)
+
+    def apply_updates(self, flat: list, state: dict) -> list:
+        """Write the new value of every parameter / buffer the forward updated in place into
+        ``state[fqn]`` (global tensors, or a rank's shards), as eager PyTorch would; returns the
+        other outputs."""
+        outs = []
+        with torch.no_grad():
+            for role, value in zip(self.output_roles(), flat):
+                if role.kind == "mutate":
+                    state[role.what].copy_(value)
+                else:
+                    outs.append(value)
+        return outs
 
     def check_inputs(self, inputs: Sequence) -> None:
         """Raise unless ``inputs`` are what the program was traced for: as many, each tensor of its
@@ -217,6 +232,14 @@ class ShardedProgram:
                     f"but the program was traced for shape {tuple(val.shape)} and dtype "
                     f"{val.dtype}: {redo}"
                 )
+        model, snap = self.captured.model, self.captured.snapshot
+        changed = snap.changes(model) if model is not None and snap is not None else []
+        if changed:
+            raise ValueError(
+                f"the model changed since it was sharded: {'; '.join(changed)}. fxshard.shard "
+                f"traces the model once, with these baked in: shard again (torch.compile(model, "
+                f'backend="fxshard", ...) guards on them and recompiles)'
+            )
         for i, traced in self.captured.scalar_inputs.items():
             given = inputs[i]
             if type(given) is not type(traced) or given != traced:
@@ -262,11 +285,33 @@ class ShardedProgram:
         if spec is not None and spec.num_leaves == len(flat):
             return tree_unflatten(list(flat), spec)
         structure = self._output_node().args[0]
-        if isinstance(structure, (tuple, list)):
+        if isinstance(structure, (tuple, list)) and len(structure) > 1:
             return type(structure)(flat) if len(flat) > 1 else flat[0]
         return flat[0]
 
-    def compile(self, device_mesh: DeviceMesh | None = None, *, inductor: bool = True):
+    @property
+    def name(self) -> str:
+        """What was sharded: the model's class or the function's name."""
+        model = self.captured.model
+        fn = getattr(model, "fn", None) if type(model).__name__ == "FnModule" else None
+        if fn is not None:
+            return getattr(fn, "__qualname__", None) or type(fn).__name__
+        return type(model).__name__ if model is not None else "a graph"
+
+    def input_name(self, i: int) -> str:
+        """The name of user input ``i`` in the captured graph."""
+        for p in self.placeholders:
+            if info(p).kind == NodeKind.INPUT and info(p).input_index == i:
+                return p.name
+        return f"input {i}"
+
+    def compile(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        *,
+        inductor: bool = True,
+        agreement: AgreementOptions | None = None,
+    ):
         """This rank's program, compiled by Inductor (``inductor=False``: the per-rank graph run
         eagerly).
 
@@ -274,7 +319,9 @@ class ShardedProgram:
         given to ``fxshard.shard``, or ``device_mesh``).  The result takes the global inputs (each
         rank slices its shard locally: no communication) and returns this rank's shard of every
         output (``.output_specs``); replicated outputs are the global values.  Parameters are sliced
-        to local shards once, here."""
+        to local shards once, on the first call, after the ranks agreed on them; ``agreement``
+        (``fxshard.AgreementOptions``) sets how the ranks check that they run one program on
+        the same inputs (``fxshard.runtime.agree``)."""
         from .compiled import CompiledProgram, CompiledTraining
 
         dm = device_mesh if device_mesh is not None else self.device_mesh
@@ -283,11 +330,10 @@ class ShardedProgram:
                 "ShardedProgram.compile needs a DeviceMesh: shard with one, or pass "
                 "compile(device_mesh)"
             )
-        if (
-            self.training
-        ):  # fn(*inputs, grad_outputs=None) -> (outputs, {fqn: local gradient shard})
-            return CompiledTraining(self, dm, inductor=inductor)
-        return CompiledProgram(self, dm, inductor=inductor)
+        # fn(*inputs, grad_outputs=None) -> (outputs, {fqn: local gradient shard})
+        if self.training:
+            return CompiledTraining(self, dm, inductor=inductor, agreement=agreement)
+        return CompiledProgram(self, dm, inductor=inductor, agreement=agreement)
 
     def __repr__(self) -> str:
         kinds: dict[str, int] = {}

@@ -93,9 +93,8 @@ class FactorGraph:
     def cost(self, a: int, b: int) -> float:
         if a == b:
             return 0.0
-        if (
-            a < 0 or b < 0
-        ):  # an output without placement (never read: see leaves_used_output_unplaced)
+        # an output without placement (never read: see leaves_used_output_unplaced)
+        if a < 0 or b < 0:
             return INF
         c = self._cost.get((a, b))
         if c is None:
@@ -386,8 +385,7 @@ class FactorGraph:
         hub_edges: dict[tuple, int] = {}
         self.hub_nodes: dict[int, list[fx.Node]] = {}
         self._output_roles = []
-        # parameters whose gradients are handed back replicated: they still train
-        self._fixed_grads = []
+        self._trained: list[fx.Node] = []  # parameters with a gradient output
         for n in gm.graph.nodes:
             if n.op == "placeholder" or n in self.transparent or n.target is operator.getitem:
                 continue
@@ -463,9 +461,7 @@ class FactorGraph:
         for (u, ids, pv), k in grad_edges.items():
             t = self._table(list(ids), [st[1][0] for st in self.vars[pv].states])
             self._add_pair(u, pv, t * k)
-        self._memory(
-            {pv for (_, _, pv) in grad_edges} | {self.var_of[p] for p in self._fixed_grads}, saved
-        )
+        self._memory({self.var_of[p] for p in self._trained}, saved)
 
     def _memory(self, trained: set[int], saved: set[fx.Node]) -> None:
         """Per state: parameters (+ gradients and optimizer states where they train), buffers and
@@ -496,9 +492,9 @@ class FactorGraph:
                 self._output_roles.append(None)
                 continue
             u, idx = self.resolve(o)  # idx: the output's spec id per state of u
+            if req.role.kind == "grad_param" and req.placeholder is not None:
+                self._trained.append(req.placeholder)  # it trains: gradients + optimizer states
             if req.kind == "fixed":
-                if req.role.kind == "grad_param" and req.placeholder is not None:
-                    self._fixed_grads.append(req.placeholder)
                 want = self.sid(req.spec)
                 unary_edges[(u, idx, want)] = unary_edges.get((u, idx, want), 0) + 1
                 self._output_roles.append(("fixed", want))
@@ -523,16 +519,14 @@ class FactorGraph:
     def apply(self, choice: Sequence[int]) -> None:
         by_node = {}
         choice = list(choice)
-        for i, var in enumerate(
-            self.vars
-        ):  # followers take their root's choice (roots are never followers)
+        # followers take their root's choice (roots are never followers)
+        for i, var in enumerate(self.vars):
             if var.derived is not None:
                 u, maps = var.derived
                 choice[i] = maps[choice[u]]
         for i, var in enumerate(self.vars):
-            if (
-                var.node is None
-            ):  # a hub: the redistribute pass routes consumers through it where cheaper
+            # a hub: the redistribute pass routes consumers through it where cheaper
+            if var.node is None:
                 hub = self.specs[var.states[choice[i]][1][0]]
                 for x in self.hub_nodes[i]:
                     info(x).hub = hub
