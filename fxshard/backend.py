@@ -304,8 +304,18 @@ class ShardedGraph:
         if training:
             return self._training_entry(prog, args)
         arg_index = [info(p).arg_index for p in prog.placeholders]
+        # buffers the forward updates in place: their new (global) values are extra outputs
+        updated = {
+            r.what: next(info(p).arg_index for p in prog.placeholders if info(p).fqn == r.what)
+            for r in prog.output_roles()
+            if r.kind == "mutate"
+        }
+
+        def write_back(a, flat):
+            return prog.apply_updates(flat, {f: a[i] for f, i in updated.items()})
+
         if opts.simulate:
-            return lambda a: prog.simulate_placeholders([a[i] for i in arg_index])
+            return lambda a: write_back(a, prog.simulate_placeholders([a[i] for i in arg_index]))
         compiled = CompiledProgram(
             prog, opts.mesh, inductor=opts.inductor, own_state=False, agreement=opts.agreement
         )
@@ -322,7 +332,7 @@ class ShardedGraph:
                         local.append(self._cached_shard(i, t, spec, compiled))
                     else:
                         local.append(compiled.local_of(t, spec))
-                return compiled.run_local(local)
+                return write_back(a, compiled.run_local(local))
 
         return run
 

@@ -200,6 +200,18 @@ class DropMLP(nn.Module):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
+class CountingDropMLP(DropMLP):
+    """DropMLP that also counts what it saw in a buffer (updated in place in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(16))
+
+    def forward(self, x):
+        self.seen.add_(x.sum(0))
+        return super().forward(x)
+
+
 def _outcome(fn):
     """("ok", value) or (exception type name, message)."""
     try:
@@ -251,6 +263,18 @@ def ranks_disagree(rank, world):
         out["backend_weights"] = _rel(f(x), ref(x))
         shape = (4, 16) if rank == 0 else (6, 16)
         out["backend_recompile"] = _outcome(lambda: f(torch.ones(shape)))
+        # the backend on real ranks (Inductor): dropout as eager draws it for the same seed, and
+        # a buffer updated in forward written back
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = CountingDropMLP().train()
+        f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": plan})
+        torch.manual_seed(11)
+        got = f(x)
+        torch.manual_seed(11)
+        want = model(x)
+        out["backend_random"] = _rel(got, want)
+        out["backend_update"] = _rel(model.seen, x.sum(0) * 2)  # once compiled, once eager
     return out
 
 

@@ -20,6 +20,8 @@ def test_ranks_that_disagree_raise_together_or_take_rank_zeros_values():
         assert "torch.manual_seed" in msg
         assert out["random_alike"] < 1e-6, (rank, out["random_alike"])
         assert out["backend_weights"] < 1e-6, (rank, out["backend_weights"])
+        assert out["backend_random"] < 1e-6, (rank, out["backend_random"])
+        assert out["backend_update"] < 1e-6, (rank, out["backend_update"])
         kind, msg = out["backend_recompile"]
         assert kind == "RanksDisagree" and "program" in msg, (rank, out["backend_recompile"])
 

@@ -306,3 +306,53 @@ def test_a_foreach_rule_places_every_list_element():
         torch.ops.aten._foreach_norm.Scalar, [(([a, b], 1), {})], exclude=False
     )
     assert report.checked >= 8 and report.wrong == [], str(report)
+
+
+# ---- the same through the torch.compile backend (simulated ranks) ------------------------------
+def _compiled(model, plan, mesh=M22):
+    torch._dynamo.reset()
+    return torch.compile(
+        model, backend="fxshard", options={"mesh": mesh, "plan": plan, "simulate": True}
+    )
+
+
+def test_backend_dropout_and_its_gradients_equal_single_device():
+    torch.manual_seed(0)
+    model, x = DropLoss().train(), _x(8, 8)
+    f = _compiled(model, PLAN)
+    torch.manual_seed(5)
+    loss = f(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch.manual_seed(5)
+    want = model(x)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_tied_weights_get_the_single_device_gradient():
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    f = _compiled(model, {"mid": ColwiseParallel(output_layouts=Replicate())}, M2)
+    f(ids).backward()
+    got = model.embed.weight.grad.clone()
+    model.zero_grad()
+    model(ids).backward()
+    torch.testing.assert_close(got, model.embed.weight.grad)
+
+
+def test_backend_applies_an_in_place_buffer_update():
+    torch.manual_seed(0)
+    model, ref, x = Counting(), Counting(), _x(4, 8)
+    ref.load_state_dict(model.state_dict())
+    f = _compiled(model, {"fc": ColwiseParallel()})
+    with torch.no_grad():
+        f(x)
+        f(x)
+        ref(x)
+        ref(x)
+    torch.testing.assert_close(model.seen, ref.seen)

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.traceback import preserve_node_meta
 
 from .._torch import describe, fake_mode, placeholder_source
-from ..ir import BOUNDARY, BUFFER, INPUT, PARAM, info
+from ..ir import BOUNDARY, BUFFER, INPUT, PARAM, Role, info
 from .common import Captured, check_no_input_mutation, decomposition_table, path_fqn, record
 from .joint import capture_joint
 
@@ -143,6 +143,33 @@ def dynamo_sources(gm: fx.GraphModule) -> list[str | None]:
     return [placeholder_source(p) for p in gm.graph.nodes if p.op == "placeholder"]
 
 
+def _state_updates_as_outputs(traced: fx.GraphModule, kinds: Sequence[tuple]) -> None:
+    """Functionalization writes a buffer updated in forward back with ``copy_`` into its
+    placeholder: make the new value an output instead (role ``("mutate", fqn)``), which the
+    program hands back and the backend copies into the buffer, as eager PyTorch updates it."""
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    fqn = {p: k[1] for p, k in zip(placeholders, kinds) if k[0] in (PARAM, BUFFER)}
+    out = next(n for n in traced.graph.nodes if n.op == "output")
+    updates = []
+    for n in list(traced.graph.nodes):
+        if (
+            n.op == "call_function"
+            and n.target is torch.ops.aten.copy_.default
+            and n.args[0] in fqn
+            and not n.users
+        ):
+            updates.append((fqn[n.args[0]], n.args[1]))
+            traced.graph.erase_node(n)
+    if not updates:
+        return
+    flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    info(out).roles = tuple(
+        [Role("output", i) for i in range(len(flat))] + [Role("mutate", f) for f, _ in updates]
+    )
+    out.args = (tuple(flat) + tuple(v for _, v in updates),)
+    traced.recompile()
+
+
 def capture_dynamo_graph(
     gm: fx.GraphModule,
     args: Sequence,
@@ -196,6 +223,7 @@ def capture_dynamo_graph(
             decomposition_table=decomposition_table(),
             tracing_mode="fake",
         )(*fakes)
+    _state_updates_as_outputs(traced, [kinds[i] for i in tensor_pos])
     check_no_input_mutation(traced)
     state: dict[str, torch.Tensor] = {}
     kept = []

@@ -421,7 +421,9 @@ class PlacementProblem:
                 continue
             role = Role(*roles[i]) if i < len(roles) else Role("output", i)
             val = o.meta["val"]
-            if role.kind == "mutate":  # a parameter / buffer updated in place: placed like it
+            if role.kind == "mutate" and not self.replicate_grads:
+                # a parameter / buffer updated in place: placed like it (the backend wants its
+                # global value back, as it does gradients)
                 out.append(OutputRequirement("like", None, placeholders[role], role))
                 continue
             # a gradient: like its parameter / input, or handed back global
