@@ -34,6 +34,11 @@ class Branch(nn.Module):
         return x
 
 
+class Item(nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
 class Cond(nn.Module):
     def forward(self, x):
         return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t * 3, (x,))
@@ -46,8 +51,9 @@ class Cond(nn.Module):
         (Masked(), ["Masked", "depends on tensor values", "test_errors.py:", "x[x > 0]"]),
         (Branch(), ["Branch", "depends on tensor values", "test_errors.py:", "if x.sum() > 0"]),
         (Cond(), ["Cond", "torch.cond", "test_errors.py:", "torch.where"]),
+        (Item(), ["Item", "tensor", "test_errors.py:", "x.sum().item()", "_local_scalar_dense"]),
     ],
-    ids=["boolean_index", "python_if", "torch_cond"],
+    ids=["boolean_index", "python_if", "torch_cond", "item"],
 )
 def test_value_dependent_programs_name_the_line(model, words, training):
     x = X.clone().requires_grad_(training)

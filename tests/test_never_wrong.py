@@ -195,19 +195,13 @@ def test_an_in_place_buffer_update_in_forward_is_applied():
     assert model.seen.abs().sum() > 0
 
 
-# ---- 8. Partial(avg) of integers ----------------------------------------------------------------
-def test_partial_avg_of_integers_keeps_the_dtype():
-    from fxshard.planner.execute import execute_plan, group_names
-    from fxshard.runtime.simulate import SimulatedMesh
-
-    plan = fxshard.plan_redistribute(M2, (Partial("avg"),), (Replicate(),), (4,), dtype=torch.int64)
-    full = torch.tensor([3, -5, 8, 1])
-    with SimulatedMesh((2,)) as sim:
-        local = sim.distribute(full, plan.src, partial_seed=0)  # random integer addends
-        out = execute_plan(plan, local, group_names(sim.device_mesh), (0,))
-        got = sim.assemble(out, plan.dst)
-    assert got.dtype == torch.int64
-    assert torch.equal(got, full)
+# ---- 8. Partial(avg) of integers ------------------------------------------------------------
+def test_partial_avg_of_integers_is_refused():
+    # it used to come back float32; no integer dtype holds the mean of integers ([1, 2] -> 1.5)
+    with pytest.raises(ValueError, match=r"Partial\('avg'\) of a torch.int64 tensor"):
+        fxshard.plan_redistribute(M2, (Partial("avg"),), (Replicate(),), (4,), dtype=torch.int64)
+    plan = fxshard.plan_redistribute(M2, (Partial("sum"),), (Replicate(),), (4,), dtype=torch.int64)
+    assert [s.collective for s in plan.steps] == ["all_reduce"]
 
 
 # ---- 9. what the trace baked in ---------------------------------------------------------------

@@ -168,6 +168,16 @@ def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
                 "once, with every shape fixed: use masking (torch.where, multiplying by the mask) "
                 "instead of boolean indexing, nonzero, masked_select or unique"
             )
+        if node.target is torch.ops.aten._local_scalar_dense.default:
+            where, code = source_line(node.meta.get("stack_trace"))
+            at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+            raise RuntimeError(
+                f"fxshard.capture: {module_name(module)} reads a tensor's value into Python{at} "
+                f"(node {node.name}: aten._local_scalar_dense, from .item() / float() / int()). "
+                "The per-rank program is traced once and cannot carry a Python number computed "
+                "from a sharded value: "
+                "keep it a tensor (x * x.sum() instead of x * x.sum().item())"
+            )
         op = control_flow_op(node)
         if op is None:
             continue

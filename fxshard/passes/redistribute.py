@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..core.cost import CostModel
-from ..ir import NodeKind, flat_outputs, info, redistribute, tensor_args
+from ..core.spec import is_even
+from ..ir import NodeKind, flat_outputs, info, redistribute, tensor_args, where
 from ..planner import plan_between
 
 
@@ -73,7 +74,23 @@ def _insert(gm, node, arg, have, want, cost_model, fuse) -> fx.Node:
     r.meta["val"] = arg.meta.get("val")
     rr = info(r)
     rr.kind = NodeKind.REDISTRIBUTE
-    rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
+    try:
+        rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
+    except ValueError as e:
+        uneven = [s for s in (have, want) if not is_even(s)]
+        what = (
+            f"{uneven[0]} of shape {uneven[0].shape} does not divide evenly over mesh "
+            f"{uneven[0].mesh.shape}, and the per-rank program needs even shards: choose "
+            "sizes the mesh divides, or leave that placement to fxshard (it replicates what "
+            "does not divide)"
+            if uneven
+            else str(e)
+        )
+        consumer = "the program's output" if node.op == "output" else f"node {node.name}"
+        raise ValueError(
+            f"fxshard: {arg.name} cannot be moved from {have} to {want} for {consumer}"
+            f"{where(info(node))}: {what}"
+        ) from e
     rr.spec = want
     rr.input_specs = (have,)
     rr.module = info(node).module

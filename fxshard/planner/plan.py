@@ -167,6 +167,13 @@ def plan_redistribute(
                 f"plan_redistribute {what}: Partial(sum/avg) of a bool tensor has no value of "
                 f"its dtype; use Partial('max') (logical or) or Partial('min') (logical and)"
             )
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if integer and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in pls):
+            raise ValueError(
+                f"plan_redistribute {what}: Partial('avg') of a {dtype} tensor: the mean of "
+                "integers is not an integer in general, and no integer result would be the value; "
+                "use Partial('sum') and divide in a floating dtype"
+            )
     s = ShardingSpec.make(
         mesh, src, shape, dtype, src_order, what="plan_redistribute src", cache=cache
     )
