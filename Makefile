@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: venv test demo bench lint clean chromium rulecheck
+.PHONY: venv test demo bench lint clean chromium rulecheck compat
 
 venv: .venv/.done
 .venv/.done: pyproject.toml
@@ -31,9 +31,20 @@ bench: venv
 rulecheck: venv
 	$(PY) scripts/rule_check.py
 
+# Another torch release (not in CI): its own venv, from the package index (the CUDA wheels of torch
+# 2.11 / 2.12 / 2.15 need their nvidia-* packages even to import on a CPU machine: ~5 GB), then
+# the tests that run on simulated ranks.  `make compat COMPAT_TORCH=2.15.0` for another release.
+COMPAT_TORCH ?= 2.11.0
+COMPAT := .venv-torch$(COMPAT_TORCH)
+compat:
+	test -x $(COMPAT)/bin/python || python3 -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install -q torch==$(COMPAT_TORCH)
+	$(COMPAT)/bin/pip install -q -e ".[test]"
+	$(COMPAT)/bin/python -m pytest -q -m "not slow" tests
+
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv .venv-torch* build *.egg-info

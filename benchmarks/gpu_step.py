@@ -10,7 +10,11 @@ kernels, the local shapes, and the collectives' launch/bookkeeping.  Numerics ar
 For each of forward (inference) and training (fwd + bwd + AdamW), Megatron TP plan on a
 ``(world,)`` mesh: compile time, median step time (CUDA-synchronised), collectives in the graphs
 Inductor compiled, and, for fxshard, whether Inductor's output code holds Triton kernels and the
-functional collectives.  The generated code is written under ``--dump`` when given.
+functional collectives; and the memory high-water mark (``torch.cuda.max_memory_allocated``) of
+each variant against DTensor's.  The generated code is written under ``--dump`` when given.
+
+What one GPU under a fake process group does not measure: communication (the collectives return at
+once, moving nothing), its overlap with compute, and anything about the other ranks.
 
     python benchmarks/gpu_step.py [--device cuda] [--world 8] [--layers 4] [--dim 2048] [--seq 2048]
 """
@@ -128,7 +132,7 @@ def main():
     print(
         f"{'mode':8} {'variant':26} {'step ms':>9} {'vs DTensor':>10} {'compile s':>9} "
         f"{'collectives':>11} "
-        f"{'kernels':>8} {'coll. calls in code':>19}"
+        f"{'kernels':>8} {'coll. calls in code':>19} {'peak GiB':>8} {'vs DTensor':>10}"
     )
     for mode in args.modes:
         variants = {}
@@ -149,6 +153,9 @@ def main():
             )
         for label, make in variants.items():
             torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
             counter = CollectiveCounter()
             t = time.perf_counter()
             fn = make()
@@ -186,6 +193,8 @@ def main():
             compile_s = time.perf_counter() - t
             step()  # warm
             ms = _time(step, device, args.steps)
+            # high-water mark of this variant's compile and steps (the model copy included)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
             src = code.text
             kernels = src.count("@triton.jit") if device.type == "cuda" else src.count('extern "C"')
             colls = sum(
@@ -202,15 +211,19 @@ def main():
                 name = f"{mode}_{label.split()[0].lower()}.py"
                 with open(os.path.join(args.dump, name), "w") as f:
                     f.write(src)
-            rows.append((mode, label, ms, compile_s, counter.n, kernels, colls))
+            rows.append((mode, label, ms, compile_s, counter.n, kernels, colls, peak))
             # DTensor + torch.compile, measured first
-            anchor = next(r[2] for r in rows if r[0] == mode)
+            anchor = next(r for r in rows if r[0] == mode)
             print(
-                f"{mode:8} {label:26} {ms:9.2f} {ms / anchor:10.2f} {compile_s:9.1f} "
+                f"{mode:8} {label:26} {ms:9.2f} {ms / anchor[2]:10.2f} {compile_s:9.1f} "
                 f"{counter.n:11d} "
-                f"{kernels:8d} {colls:19d}",
+                f"{kernels:8d} {colls:19d} "
+                + (f"{peak:8.2f} {peak / anchor[7]:10.2f}" if anchor[7] else f"{'-':>8} {'-':>10}"),
                 flush=True,
             )  # each row at once: a later failure keeps it
+            del fn, step
+            if mode != "forward":
+                del opt
     dist.destroy_process_group()
 
 

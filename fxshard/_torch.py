@@ -92,7 +92,9 @@ def is_strided_shard(p: Placement) -> bool:
 
 
 def strided_split_factor(p: Placement) -> int:
-    return int(p._split_factor_int())
+    # 2.13+: split_factor may be a SymInt, which _split_factor_int guards; 2.11/2.12: a plain int
+    f = getattr(p, "_split_factor_int", None)
+    return int(f()) if f is not None else int(p.split_factor)
 
 
 def per_rank(fn: Callable) -> Callable:
@@ -135,10 +137,13 @@ def local_tensor_values(t: torch.Tensor, world_size: int | None = None) -> dict:
 def coordinate_tensor(device_mesh: DeviceMesh) -> torch.Tensor:
     """This rank's mesh coordinate as an int64 tensor (a per-rank LocalTensor when simulating)."""
     import torch
-    from torch.distributed._local_tensor import enabled_local_tensor_mode, rank_map
+    import torch.distributed._local_tensor as lt
 
     mesh = device_mesh.mesh
-    if enabled_local_tensor_mode() is not None:
+    mode = lt.enabled_local_tensor_mode()
+    if mode is not None:
+        # torch 2.12+: a module function; 2.11: only the LocalTensorMode method
+        rank_map = getattr(lt, "rank_map", None) or mode.rank_map
         return rank_map(lambda r: (mesh == r).nonzero()[0].clone())
     return torch.tensor(device_mesh.get_coordinate(), dtype=torch.long)
 
@@ -231,11 +236,55 @@ def torch_score(src_spec, steps: Sequence[tuple]) -> float:
     return total
 
 
-def record_frames_of(fn: Callable) -> None:
-    """Make export keep ``fn``'s frames in node stack traces (it keeps only ``forward`` frames)."""
-    from torch.fx.proxy import _register_stack_trace_anchor
+# (co_filename, co_name) of the functions whose frames export keeps, on torch releases without
+# torch.fx.proxy._register_stack_trace_anchor (before 2.13); a registry, like torch's own
+_ANCHORS: set[tuple[str, str]] = set()
 
-    _register_stack_trace_anchor(fn)
+
+def record_frames_of(fn: Callable) -> None:
+    """Make export keep ``fn``'s frames in node stack traces (it keeps only ``forward`` frames).
+
+    torch 2.13+ has a registry for this; before, the same filter is installed once over
+    ``TracerBase._filter_traceback_frames`` (torch 2.13's body: ``forward`` frames, frames of
+    ``torch/__init__.py`` and registered ones, minus torch's uninteresting files)."""
+    import traceback
+
+    import torch.fx.proxy as proxy
+
+    register = getattr(proxy, "_register_stack_trace_anchor", None)
+    if register is not None:
+        register(fn)
+        return
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    _ANCHORS.add((code.co_filename, code.co_name))
+    tracer = proxy.TracerBase
+    if getattr(tracer, "_fxshard_anchors", False):
+        return
+    original = tracer._filter_traceback_frames
+
+    def _filter_traceback_frames(self, user_stack_summary):
+        if not getattr(self, "_record_forward_stack_traces_only", False):
+            return original(self, user_stack_summary)
+        from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+        skip = uninteresting_files()
+        return traceback.StackSummary.from_list(
+            [
+                f
+                for f in user_stack_summary
+                if (
+                    f.name == "forward"
+                    or f.filename.endswith("torch/__init__.py")
+                    or (f.filename, f.name) in _ANCHORS
+                )
+                and f.filename not in skip
+            ]
+        )
+
+    tracer._filter_traceback_frames = _filter_traceback_frames
+    tracer._fxshard_anchors = True
 
 
 def register_torch_logs() -> None:

@@ -1,14 +1,18 @@
 """Check fxshard's sharding rules over all of torch's OpInfo samples (``op_db``).
 
-    python scripts/rule_check.py                       # summary table (about 10 minutes)
+    python scripts/rule_check.py                       # summary table (about a minute)
     python scripts/rule_check.py --write               # ... and rewrite fxshard/rules/excluded.json
+    python scripts/rule_check.py --merge --write       # on another torch release: add what it finds
     python scripts/rule_check.py --only cumsum,squeeze # some OpInfos
 
 Every ATen call the first samples of each OpInfo make (sizes made even, plus each call with its
-dims written negatively) is checked by ``fxshard.runtime.rulecheck``: every strategy fxshard would
+dims written negatively), and of the zoo's Llama and ConvNet training steps (``--only "training
+steps"`` for these alone), is checked by ``fxshard.runtime.rulecheck``: every strategy fxshard would
 use, on simulated meshes (2,) and (2, 2), against single device.  Wrong strategies are excluded;
 ``--write`` commits the exclusions (and this run's summary) to ``fxshard/rules/excluded.json``,
-which fxshard loads at import.
+which fxshard loads at import.  A strategy's meaning does not depend on the torch release (only
+which strategies DTensor's rules propose does), so ``--merge`` run under another release adds the
+wrong strategies its rules propose to the table, for every release.
 """
 
 from __future__ import annotations
@@ -40,8 +44,25 @@ def _alarm(signum, frame):
     raise _Timeout()
 
 
+def training_step_calls(samples: int) -> list:
+    """The ATen calls of the zoo's Llama and ConvNet training steps, forward and backward: op_db's
+    samples call forward ops, these reach the backward ones (convolution_backward, index_put)."""
+    from fxshard import zoo
+
+    calls = []
+    for model in (zoo.Llama(zoo.LlamaConfig()), zoo.ConvNet()):
+        model = zoo.init_weights(model)
+        inputs = zoo.example_input(model, generator=torch.Generator().manual_seed(1))
+
+        def step(model=model, inputs=inputs):
+            model(*inputs).float().pow(2).mean().backward()
+
+        calls += rulecheck.unique_calls(rulecheck.record_calls(step), per_op=samples)
+    return calls
+
+
 def calls_of(opinfo, samples: int, negative: bool) -> list:
-    calls = rulecheck.opinfo_calls(opinfo, samples)
+    calls = opinfo if isinstance(opinfo, list) else rulecheck.opinfo_calls(opinfo, samples)
     if negative:
         more = []
         for op, a, k in calls:
@@ -63,6 +84,9 @@ def main() -> None:
     ap.add_argument("--no-negative-dims", action="store_true")
     ap.add_argument("--write", action="store_true", help="rewrite fxshard/rules/excluded.json")
     ap.add_argument(
+        "--merge", action="store_true", help="keep the table's exclusions (another torch release)"
+    )
+    ap.add_argument(
         "--raw-dims", action="store_true", help="rules see dims as written (what normalising fixes)"
     )
     ap.add_argument("--json", default="", help="write the report here too")
@@ -78,16 +102,24 @@ def main() -> None:
         import fxshard.rules
 
         fxshard.rules.normalize_dims = lambda op, a, k: (tuple(a), dict(k))
+    before = excluded.excluded() if opt.merge else {}
     excluded.reset()  # check from nothing: the table this run writes is complete by itself
     want = set(filter(None, opt.only.split(",")))
     start = time.time()
     report = rulecheck.RuleReport()
     counted: collections.Counter = collections.Counter()
     timeouts, opinfos = [], 0
-    for opinfo in op_db:
-        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
-        if want and opinfo.name not in want and name not in want:
-            continue
+    for opinfo in [*op_db, "training steps"]:
+        if opinfo == "training steps":
+            if want and opinfo not in want:
+                continue
+            name, opinfo = opinfo, training_step_calls(opt.samples)
+        else:
+            name = opinfo.name + (
+                f".{opinfo.variant_test_name}" if opinfo.variant_test_name else ""
+            )
+            if want and opinfo.name not in want and name not in want:
+                continue
         opinfos += 1
         signal.alarm(opt.timeout)
         try:
@@ -134,7 +166,14 @@ def main() -> None:
     print(f"\nskipped: {dict(report.skipped)}; timeouts: {timeouts}; {elapsed:.0f} s")
     if opt.write:
         path = os.path.join(ROOT, "fxshard", "rules", "excluded.json")
-        excluded.write(path, excluded.excluded(), summary)
+        table = excluded.excluded()
+        for op, keys in table.items():  # what only this release's rules propose, marked so
+            for key in keys:
+                if before and key not in before.get(op, {}):
+                    keys[key] = f"[torch {torch.__version__}] {keys[key]}"
+        for op, keys in before.items():
+            table.setdefault(op, {}).update(keys)
+        excluded.write(path, table, summary, merge=opt.merge)
         print(f"wrote {path}")
     if opt.json:
         with open(opt.json, "w") as f:

@@ -159,6 +159,59 @@ def test_op_without_rule_warns_and_replicates(caplog):
     torch.testing.assert_close(prog.simulate(x), f(x))
 
 
+@pytest.mark.parametrize("plan", [None, "auto"])
+def test_an_op_without_rule_warns_once_per_line_and_only_where_it_costs(caplog, plan):
+    edges = torch.tensor([-1.0, 0.0, 0.5, 2.0])
+
+    def f(x, y):
+        out = x
+        for i in range(3):  # three nodes at one source line: one warning that counts them
+            out = out + torch.searchsorted(edges, x + i)
+        return out, torch.searchsorted(edges, y)  # y replicated: as on one device, no warning
+
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with caplog.at_level(logging.WARNING, logger="fxshard"):
+        prog = fxshard.shard(
+            f, M1_2, plan, example_inputs=(x, y), input_placements=[(Shard(0),), (Replicate(),)]
+        )
+    assert len(prog.warnings) == 1, prog.warnings
+    assert "aten.searchsorted.Tensor" in prog.warnings[0]
+    assert "(and 2 more nodes there)" in prog.warnings[0]
+    assert "fallback: aten.searchsorted.Tensor" in prog.explain()
+    for got, want in zip(prog.simulate(x, y), f(x, y)):
+        torch.testing.assert_close(got, want)
+
+
+class Casts(torch.nn.Module):
+    """An HF-style casting norm: every ``.to(dtype)`` leaves an ``_assert_tensor_metadata`` check in
+    the exported graph, which has no rule and used to gather its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (self.fc(h.to(torch.bfloat16).to(torch.float32)) * 2).pow(2).mean()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_metadata_checks_never_force_a_collective(caplog, training):
+    model, x = Casts(), torch.randn(8, 8)
+    with caplog.at_level(logging.WARNING, logger="fxshard"):
+        prog = fxshard.shard(
+            model, M1_2, {}, example_inputs=(x,), input_placements=[(Shard(0),)], training=training
+        )
+    targets = {str(n.target) for n in prog.global_graph.graph.nodes}
+    assert "aten._assert_tensor_metadata.default" not in targets
+    fallbacks = [c for c in prog.collectives() if "fallback" in c.provenance]
+    assert fallbacks == [] and prog.warnings == [] and "no sharding rule" not in caplog.text
+    assert [c.kind for c in prog.collectives() if c.phase == "forward"] == ["all_reduce"]  # mean
+    got = prog.simulate(x)
+    torch.testing.assert_close(got[0] if training else got, model(x))
+
+
 def test_custom_op_without_rule_is_an_error():
     with pytest.raises(
         ValueError,

@@ -190,6 +190,21 @@ def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
         )
 
 
+# Checks of trace-time metadata (``.to(dtype)`` emits one per call): the per-rank program's dtypes,
+# devices and shapes are fixed by the trace (and its inputs' by the signature check), and a check
+# of global sizes would fail on a shard; they are dropped, so they never hold up a placement.
+TRACE_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+def drop_trace_checks(gm: fx.GraphModule) -> int:
+    """Remove the metadata checks a trace left (no outputs, no effect on data); how many."""
+    gone = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in TRACE_CHECKS]
+    for n in gone:
+        if not n.users:
+            gm.graph.erase_node(n)
+    return len(gone)
+
+
 def record(gm: fx.GraphModule, kinds: list[tuple[str, object]], roots: dict | None = None) -> int:
     """Fill every node's NodeInfo (kind, FQN, module, source line) from ``kinds``, one (kind, FQN)
     per placeholder (a tangent's "FQN" is the index of its forward output); returns the number of

@@ -23,7 +23,14 @@ from torch.fx.traceback import preserve_node_meta
 
 from .._torch import describe, fake_mode, placeholder_source
 from ..ir import BOUNDARY, BUFFER, INPUT, PARAM, Role, info
-from .common import Captured, check_no_input_mutation, decomposition_table, path_fqn, record
+from .common import (
+    Captured,
+    check_no_input_mutation,
+    decomposition_table,
+    drop_trace_checks,
+    path_fqn,
+    record,
+)
 from .joint import capture_joint
 
 _SOURCE_PART = re.compile(
@@ -225,6 +232,7 @@ def capture_dynamo_graph(
         )(*fakes)
     _state_updates_as_outputs(traced, [kinds[i] for i in tensor_pos])
     check_no_input_mutation(traced)
+    drop_trace_checks(traced)
     state: dict[str, torch.Tensor] = {}
     kept = []
     n_inputs = 0

@@ -14,6 +14,7 @@ from .common import (
     FnModule,
     check_control_flow,
     decomposition_table,
+    drop_trace_checks,
     module_name,
     record,
     take_scalar_inputs,
@@ -50,6 +51,7 @@ def capture_forward(
         )
     gm = ep.graph_module
     check_control_flow(gm, module)
+    drop_trace_checks(gm)
     state: dict[str, torch.Tensor] = {}
     state.update(ep.state_dict)
     state.update(ep.constants)

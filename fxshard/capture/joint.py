@@ -36,6 +36,7 @@ from .common import (
     check_control_flow,
     check_no_input_mutation,
     decomposition_table,
+    drop_trace_checks,
     record,
     take_scalar_inputs,
     trace_error,
@@ -64,6 +65,7 @@ def capture_joint(
     module = model if isinstance(model, nn.Module) else FnModule(model)
     gm, out_spec = _export(module, example_inputs, boundaries, reuse_layers)
     check_control_flow(gm, module)
+    drop_trace_checks(gm)
     use_flat_codegen(gm)  # AOT's pytree codegen groups inputs/outputs as (primals, tangents)
     kinds = _placeholder_kinds(gm, input_kinds)
     mark_gradients(gm)

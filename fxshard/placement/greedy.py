@@ -121,7 +121,7 @@ class Greedy:
             hit = self._decisions[key] = self._decide(node, cur, targets)
         rec.input_specs, rec.spec, rec.provenance, why = hit
         if why:
-            self.p.warn(self.p.fallback_warning(node, why))
+            self.p.warn_fallback(node, why, cur)
 
     def _decide(self, node: fx.Node, cur: list, targets: tuple) -> tuple:
         """(input specs, output spec(s), provenance, fallback reason) of the cheapest legal

@@ -151,6 +151,8 @@ class PlacementProblem:
         self.training = training  # a joint graph: forward outputs handed back global
         self.rules_mesh = rules.rules_mesh(mesh.shape)
         self.warnings: list[str] = []
+        # (op, source line) -> [index into warnings, nodes]: one fallback warning per place
+        self._fallbacks: dict[tuple, list] = {}
         self._candidates: dict = {}
         self._names_of: tuple | None = None  # (graph, {node name: node}), for gradient markers
 
@@ -266,6 +268,8 @@ class PlacementProblem:
             raise custom_op_error(node, info(node))
         if states:
             return LegalStates(states, "rule")
+        if not targs:  # nothing to place (a constant, a profiler call): every rank computes it
+            return LegalStates([((), rep_out)], "factory")
         why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
         return LegalStates(
             [(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "fallback", why
@@ -275,6 +279,21 @@ class PlacementProblem:
         return (
             f"{node.target} at node {node.name}{where(info(node))} {why}; computing it replicated"
         )
+
+    def warn_fallback(self, node: fx.Node, why: str, inputs: Sequence[ShardingSpec]) -> None:
+        """Warn that ``node`` runs replicated, unless its inputs are replicated already (it then
+        costs nothing), once per op and source line (later nodes are counted in that warning)."""
+        if all(all(isinstance(p, Replicate) for p in s.placements) for s in inputs if s):
+            return
+        key = (node.target, info(node).source, why)
+        seen = self._fallbacks.get(key)
+        if seen is None:
+            self._fallbacks[key] = [len(self.warnings), 1]
+            self.warn(self.fallback_warning(node, why))
+            return
+        seen[1] += 1
+        first = self.warnings[seen[0]].split(" (and ")[0]
+        self.warnings[seen[0]] = f"{first} (and {seen[1] - 1} more nodes there)"
 
     # ---- placeholders ---------------------------------------------------------------------------
     def data_parallel(self, val: torch.Tensor) -> list:

@@ -13,17 +13,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from .dims import normalize_dims
-from .dtensor import dtensor_candidates, has_single_dim_rule
+from .dtensor import dtensor_candidates, has_single_dim_rule, single_dim_rule_count
 from .excluded import drop_excluded
 from .own import (
+    BATCH_OPS,
     EMBEDDING,
     FACTORY_OPS,
+    INDEX_PUT,
+    POOL_OPS,
     SDPA_OPS,
     SHAPE_RANDOM_OPS,
+    SQUEEZE_DIMS,
+    VALUE_CHECK_OPS,
     VALUE_RANDOM_OPS,
+    batch_candidates,
     embedding_candidates,
-    random_candidates,
+    index_put_candidates,
+    pool_candidates,
     sdpa_candidates,
+    shape_random_candidates,
+    squeeze_dims_candidates,
 )
 from .user import has_rule, register_rule, unregister_rule, user_candidates
 
@@ -50,16 +59,27 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
     if op == EMBEDDING:
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
-    if op in VALUE_RANDOM_OPS or _empty_tensor(args, kwargs):
+    if op in VALUE_RANDOM_OPS or op in VALUE_CHECK_OPS or _empty_tensor(args, kwargs):
         # every rank draws the global result; an empty tensor is nothing to split (and DTensor's
         # view rule loops forever on some zero-size shapes)
         rep = (Replicate(),) * device_mesh.ndim
         n_out = sum("Tensor" in str(r.type) for r in op._schema.returns)
         return [((rep,) * len(input_placements), (rep,) * n_out)]
+    if op in SHAPE_RANDOM_OPS:  # elementwise in one shape: the same rule on every release
+        return shape_random_candidates(op, args, kwargs, device_mesh)
+    if op == INDEX_PUT and not has_single_dim_rule(op):  # torch 2.11's rule is wrong
+        return index_put_candidates(args, kwargs, device_mesh)
     found = dtensor_candidates(
         op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True
     )
-    return random_candidates(op, found) if op in SHAPE_RANDOM_OPS else found
+    if found is None:  # ops DTensor rules only in later torch releases
+        if op in POOL_OPS:
+            return pool_candidates(op, args, kwargs, device_mesh)
+        if op in BATCH_OPS:
+            return batch_candidates(op, args, kwargs, device_mesh)
+        if op == SQUEEZE_DIMS:
+            return squeeze_dims_candidates(args, device_mesh, input_placements)
+    return found
 
 
 def _empty_tensor(args, kwargs) -> bool:
@@ -91,6 +111,7 @@ __all__ = [
     "has_rule",
     "dtensor_candidates",
     "has_single_dim_rule",
+    "single_dim_rule_count",
     "EMBEDDING",
     "FACTORY_OPS",
     "SDPA_OPS",

@@ -180,6 +180,14 @@ def _single_dim(op, info, spec_schema, n_in: int, found: dict, reference: bool =
     inplace = op.name().split("::")[1].split(".")[0].endswith("_")
     unbacked = getattr(info, "allow_unbacked_sharding", None)
     uneven = getattr(info, "allow_uneven_sharding", False)
+    # torch 2.14+: an op-specific check of each full-mesh combination (convolution's sharded width,
+    # mean over uneven shards, argmax's runtime handler); called as DTensor calls it
+    rule_filter = getattr(info, "full_mesh_strategy_filter", None)
+    keep = (
+        None
+        if rule_filter is None
+        else lambda ins_specs, out_specs: rule_filter(mesh, schema, ins_specs, out_specs)
+    )
     # out= variants: DTensor's (never in functional graphs)
     if reference or schema.is_out_variant_op():
         _collect(
@@ -193,16 +201,27 @@ def _single_dim(op, info, spec_schema, n_in: int, found: dict, reference: bool =
                 input_index=n_out,
                 allow_unbacked_sharding=unbacked,
                 allow_uneven_sharding=uneven,
+                full_mesh_strategy_filter=keep,
             ),
             n_in,
             found,
         )
     else:
-        _expand(mesh, schema, rules, n_out, n_in, found, inplace, unbacked, uneven)
+        _expand(mesh, schema, rules, n_out, n_in, found, inplace, unbacked, uneven, keep, out_meta)
 
 
 def _expand(
-    mesh, schema, rules, n_out: int, n_in: int, found: dict, inplace: bool, unbacked, uneven
+    mesh,
+    schema,
+    rules,
+    n_out: int,
+    n_in: int,
+    found: dict,
+    inplace: bool,
+    unbacked,
+    uneven,
+    keep=None,
+    out_meta=None,
 ) -> None:
     """DTensor's ``expand_to_full_mesh_op_strategy`` reduced to what fxshard reads, the placements:
     every combination of one single-dim rule per mesh dim, dropping the same ones DTensor drops
@@ -246,16 +265,61 @@ def _expand(
             if not v:
                 ok = False
                 break
+        if ok and keep is not None and not _kept(keep, mesh, ins, inputs, pos[:n_out], out_meta):
+            ok = False
         if ok:
             out.append((tuple(inputs) + (None,) * (n_in - len(inputs)), tuple(pos[:n_out])))
     for cand in out:
         found.setdefault(cand, None)
 
 
+# DecompShardingStrategy: an instance on the propagator from torch 2.12; static methods taking the
+# propagator as their last argument in 2.11
+_DECOMP = getattr(_SP, "decomp_strategy", None)
+_FAKE_MESHES: dict = {}  # cache: device type -> the one-rank mesh decompositions are traced on
+
+
+def _kept(keep, mesh, ins, inputs, outputs, out_meta) -> bool:
+    """An op's full-mesh filter, on the specs DTensor would build for one combination."""
+    metas = [out_meta] if isinstance(out_meta, TensorMeta) else list(out_meta or ())
+    outs = [
+        None if plc is None else DTensorSpec(mesh, plc, meta)
+        for plc, meta in zip(outputs, metas + [None] * len(outputs))
+    ]
+    if not outs or all(o is None for o in outs):
+        return True  # DTensor skips the filter for ops without outputs
+    in_specs = [
+        DTensorSpec(mesh, plc, st.strategies[0].output_spec.tensor_meta)
+        for st, plc in zip(ins, inputs)
+    ]
+    return bool(keep(in_specs, outs[0] if len(outs) == 1 else tuple(outs)))
+
+
+def _decomp_schema_info(op) -> None:
+    if _DECOMP is not None:
+        _DECOMP.ensure_schema_info(op)
+    else:
+        DecompShardingStrategy.ensure_schema_info(op, _SP)
+
+
+def _decomp_fake_mesh(device_type: str):
+    if _DECOMP is not None:
+        return _DECOMP._get_fake_mesh(device_type)
+    if device_type not in _FAKE_MESHES:
+        _FAKE_MESHES[device_type] = DeviceMesh(device_type, [0], _init_backend=False, _rank=0)
+    return _FAKE_MESHES[device_type]
+
+
+def _decomp_propagate(spec_schema, placements, fake_mesh):
+    if _DECOMP is not None:
+        return _DECOMP._propagate_through_decomp(spec_schema, placements, fake_mesh)
+    return DecompShardingStrategy._propagate_through_decomp(spec_schema, placements, fake_mesh, _SP)
+
+
 def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
     """DecompShardingStrategy.propagate_strategy with a seeded (input-independent) candidate set."""
-    ds = _SP.decomp_strategy
-    ds.ensure_schema_info(op)
+    _decomp_schema_info(op)
+    fake_mesh = _decomp_fake_mesh(mesh.device_type)
     leaves = tree_flatten(list(spec_schema.args_schema) + list(spec_schema.kwargs_schema.values()))[
         0
     ]
@@ -288,9 +352,7 @@ def _decomp(op, spec_schema, mesh, input_placements, with_partial, max_cands):
     rules, n_out = [], None
     for cand in itertools.product(*per_leaf):
         try:
-            res = ds._propagate_through_decomp(
-                spec_schema, cand, ds._get_fake_mesh(mesh.device_type)
-            )
+            res = _decomp_propagate(spec_schema, cand, fake_mesh)
         except NotImplementedError:
             return (
                 None  # a decomposed op has no strategy (e.g. factory aten.ones): DTensor fails too
@@ -472,3 +534,8 @@ def _decomposed_or_legacy(
 
 def has_single_dim_rule(op: OpOverload) -> bool:
     return op in _SP.op_single_dim_strategy_funcs
+
+
+def single_dim_rule_count() -> int:
+    """How many ops DTensor rules per mesh dim (4 in torch 2.11, ~1000 in 2.13, ~1200 in 2.14)."""
+    return len(_SP.op_single_dim_strategy_funcs)

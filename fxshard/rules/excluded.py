@@ -7,7 +7,7 @@ excluded column removes every candidate that has it on any mesh dim, on meshes o
 candidate found wrong on a mesh of several dims whose columns all pass is excluded whole, for
 that mesh rank.
 
-The table starts from ``excluded.json`` (written by ``python benchmarks/rule_check.py --write``
+The table starts from ``excluded.json`` (written by ``python scripts/rule_check.py --write``
 from torch's OpInfo samples, committed) and grows with ``fxshard.check_rule(op)``.  Excluding is
 conservative: a column wrong for one argument pattern is dropped for all (a cost, never a wrong
 result).
@@ -127,9 +127,16 @@ def reset() -> None:
     _CHECKED.clear()
 
 
-def write(path: str, table: dict, summary: dict) -> None:
+def write(path: str, table: dict, summary: dict, merge: bool = False) -> None:
+    """The table and the summary of the run that wrote it, one per torch release (``merge``: the
+    other releases' summaries are kept)."""
+    summaries = {}
+    if merge and os.path.exists(path):
+        with open(path) as f:
+            summaries = json.load(f).get("summaries", {})
+    summaries[summary["torch"]] = summary
     with open(path, "w") as f:
-        json.dump({"summary": summary, "excluded": table}, f, indent=1, sort_keys=True)
+        json.dump({"summaries": summaries, "excluded": table}, f, indent=1, sort_keys=True)
         f.write("\n")
 
 

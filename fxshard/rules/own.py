@@ -4,7 +4,9 @@
   shard batch or heads, q/k/v/output alike;
 * tensor factories (arange, full, zeros...): replicated;
 * vocab-parallel embedding: DTensor's ``_MaskPartial`` is replaced by plain ``Partial(sum)`` and a
-  masked local lookup at lowering time.
+  masked local lookup at lowering time;
+* ops DTensor rules only from a later torch release on (pooling, group norm, ``squeeze.dims``,
+  shape-only random ops in torch 2.11), used where DTensor has no rule.
 """
 
 from __future__ import annotations
@@ -93,20 +95,18 @@ VALUE_RANDOM_OPS = frozenset(
 )
 
 
-def random_candidates(op: OpOverload, cands: list | None) -> list | None:
-    """The candidates a random op keeps: none with a Partial value (a draw is not a sum of
-    addends), and only the replicated one where the draws depend on the inputs' values."""
-    if cands is None or not isinstance(cands, list):
-        return cands
-    out = []
-    for ins, outs in cands:
-        plcs = [p for side in (ins, outs) for plc in side if plc for p in plc]
-        if any(isinstance(p, Partial) for p in plcs):
-            continue
-        if op in VALUE_RANDOM_OPS and not all(isinstance(p, Replicate) for p in plcs):
-            continue
-        out.append((ins, outs))
-    return out
+# Checks and prints of tensor values: they read the value, so it is replicated (a shard or an addend
+# is not the value); they move nothing else, and this is their rule, not a fallback
+VALUE_CHECK_OPS = frozenset(
+    getattr(getattr(aten, name), overload)
+    for name, overload in (
+        ("_assert_async", "default"),
+        ("_assert_async", "msg"),
+        ("_functional_assert_async", "msg"),
+        ("_print", "default"),
+    )
+    if hasattr(aten, name) and hasattr(getattr(aten, name), overload)
+)
 
 
 def sdpa_candidates(
@@ -176,3 +176,110 @@ def embedding_candidates(
             continue
         keep.append(((w, idx), (o,)))
     return keep
+
+
+# ---- rules for ops DTensor rules only in later torch releases (used where DTensor has none) ------
+
+# Ops that are independent along the batch dim (dim 0) of some tensor arguments (by position: "b"
+# sharded on dim 0, "r" replicated) and give outputs sharded on dim 0 ("b") or partial sums over
+# the batch ("p"): per mesh dim, every tensor replicated, or that column.  torch 2.11 has no DTensor
+# rule for these (2.12+ does, and DTensor's rules win where they exist).
+BATCH_OPS = {
+    aten.native_group_norm.default: ("brr", "bbb"),
+    aten.native_group_norm_backward.default: ("bbbbr", "bpp"),
+}
+# pooling (and its backward): every dim but the last two (batch, channels) is independent, and all
+# tensors share the placement
+POOL_OPS = frozenset(
+    {
+        aten.max_pool2d_with_indices.default,
+        aten.max_pool2d_with_indices_backward.default,
+        aten.avg_pool2d.default,
+        aten.avg_pool2d_backward.default,
+    }
+)
+SQUEEZE_DIMS = aten.squeeze.dims  # torch 2.11: no rule; a view to the squeezed shape has one
+
+
+def _tensors(args, kwargs) -> list:
+    return [x for x in tree_flatten((tuple(args), dict(kwargs)))[0] if isinstance(x, torch.Tensor)]
+
+
+def _n_outputs(op: OpOverload) -> int:
+    return sum("Tensor" in str(r.type) for r in op._schema.returns)
+
+
+def pool_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMesh) -> list:
+    n_in, ndim = len(_tensors(args, kwargs)), _tensors(args, kwargs)[0].ndim
+    columns = [Replicate()] + [Shard(d) for d in range(ndim - 2)]
+    return [
+        ((plc,) * n_in, (plc,) * _n_outputs(op))
+        for plc in itertools.product(columns, repeat=device_mesh.ndim)
+    ]
+
+
+def batch_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMesh) -> list:
+    ins, outs = BATCH_OPS[op]
+    roles = [r for a, r in zip(args, ins) if isinstance(a, torch.Tensor)]
+    n_out = _n_outputs(op)
+    pick = {"b": Shard(0), "r": Replicate(), "p": Partial("sum")}
+    out = []
+    for batch in itertools.product((False, True), repeat=device_mesh.ndim):
+        col = {r: tuple(pick[r] if b else Replicate() for b in batch) for r in "brp"}
+        out.append((tuple(col[r] for r in roles), tuple(col[r] for r in outs[:n_out])))
+    return out
+
+
+def squeeze_dims_candidates(args, device_mesh: DeviceMesh, input_placements) -> list | None:
+    """``squeeze.dims(x, dims)`` is ``view(x, squeezed shape)``: its candidates."""
+    x, dims = args[0], args[1]
+    dims = {d % max(x.ndim, 1) for d in dims}
+    shape = [s for i, s in enumerate(x.shape) if not (i in dims and s == 1)]
+    return dtensor_candidates(
+        aten.view.default, (x, shape), {}, device_mesh, input_placements, drop_strided_shard=True
+    )
+
+
+def shape_random_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMesh) -> list:
+    """A random op whose draws depend on shapes only: elementwise, every tensor placed alike, never
+    Partial (each rank draws the global tensor and keeps its shard: see SHAPE_RANDOM_OPS).  Ours on
+    every release: torch 2.11 has no DTensor rule for ``bernoulli.p`` and gives ``native_dropout``
+    one output spec for its two outputs."""
+    tensors = _tensors(args, kwargs)
+    if any(t.shape != tensors[0].shape for t in tensors):
+        return []
+    columns = [Replicate()] + [Shard(d) for d in range(tensors[0].ndim)]
+    return [
+        ((plc,) * len(tensors), (plc,) * _n_outputs(op))
+        for plc in itertools.product(columns, repeat=device_mesh.ndim)
+    ]
+
+
+# index_put: torch 2.11's DTensor rule (a strategy function, before the single-dim rules of 2.12)
+# keeps self sharded on an indexed dim when values has as many dims as self, which is wrong (the
+# checker finds it); where DTensor has no single-dim rule for it, this one is used instead
+INDEX_PUT = aten.index_put.default
+
+
+def index_put_candidates(args, kwargs, device_mesh: DeviceMesh) -> list:
+    """``index_put(self, indices, values, accumulate)``: indices replicated; self sharded on a dim
+    after every indexed one, values on the dim it aligns with from the right (unbroadcast); with
+    ``accumulate``, self and values partial too (a scatter-add is linear in both)."""
+    x, indices, values = args[0], list(args[1]), args[2]
+    accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
+    indexed = [i for i, t in enumerate(indices) if t is not None]
+    n_idx = sum(t is not None for t in indices)
+    columns = [(Replicate(), Replicate())]  # (self and output, values)
+    for d in range(max(indexed, default=-1) + 1, x.ndim):
+        vd = d - x.ndim + values.ndim
+        if vd >= 0 and values.shape[vd] == x.shape[d]:
+            columns.append((Shard(d), Shard(vd)))
+    if accumulate:
+        columns.append((Partial("sum"), Partial("sum")))
+    out = []
+    for combo in itertools.product(columns, repeat=device_mesh.ndim):
+        self_plc = tuple(c[0] for c in combo)
+        rep = (Replicate(),) * device_mesh.ndim
+        ins = (self_plc,) + (rep,) * n_idx + (tuple(c[1] for c in combo),)
+        out.append((ins, (self_plc,)))
+    return out

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
+from ...ir import info, tensor_args
 from ..problem import PlacementProblem
 from .dp import backtrack, eliminate
 from .factors import FactorGraph
@@ -132,6 +133,8 @@ def annotate_auto(
     choice = solve(fg)
     t1 = time.perf_counter()
     fg.apply(choice)
+    for node, why in fg.fallbacks:  # an op with no rule, where its inputs had to be gathered
+        problem.warn_fallback(node, why, [info(a).spec for a in tensor_args(node)])
     fg.report.times["apply"] = time.perf_counter() - t1
     fg.report.times["total"] = time.perf_counter() - t0
     log.info("fxshard: %s", fg.report)

@@ -77,6 +77,7 @@ class FactorGraph:
             tuple, tuple[dict, torch.Tensor]
         ] = {}  # (shape, dtype) -> (spec id -> row, costs)
         self.vars: list[_Var] = []
+        self.fallbacks: list[tuple[fx.Node, str]] = []  # ops with no rule (warned after solve)
         self.var_of: dict[fx.Node, int] = {}
         self.factors: dict[tuple[int, int], torch.Tensor] = {}
         self.report = AutoReport(nodes=len(gm.graph.nodes))
@@ -250,7 +251,7 @@ class FactorGraph:
         cur = [self.p.replicated(_val(a)) for a in tensor_args(node)]
         legal = self.p.legal_states(node, cur)
         if legal.source == "fallback":
-            self.p.warn(self.p.fallback_warning(node, legal.why))
+            self.fallbacks.append((node, legal.why))  # warned after the solve, where it costs
             return legal.states, "fallback: replicated (no rule)"
         return legal.states, "factory: replicated" if legal.source == "factory" else "auto"
 
