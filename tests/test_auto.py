@@ -6,7 +6,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import fxshard
-from fxshard import rules, zoo
+from fxshard import zoo
 from fxshard.ir import PARAM, info
 
 
@@ -26,12 +26,6 @@ def _params(prog):
 
 
 @pytest.mark.parametrize("training", [False, True])
-@pytest.mark.xfail(
-    rules.single_dim_rule_count() < 100,
-    reason="torch 2.11: most DTensor rules are follow-the-input functions, which plan='auto' "
-    "enumerates from replicated inputs only; its training plan is correct but costs more",
-    strict=False,
-)
 def test_budget_forces_sharding_and_beats_megatron(training):
     m, x = _llama()
     mesh = fxshard.MeshSpec((4,))

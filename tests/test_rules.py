@@ -177,3 +177,17 @@ def test_bad_rule_is_rejected_when_registered():
     with pytest.raises(TypeError, match="expected a torch operator"):
         fxshard.register_rule(lambda x: x, [])
     assert not fxshard.rules.has_rule(torch.ops.aten.add.Tensor)
+
+
+def test_rules_that_answer_for_given_inputs_are_asked_with_inputs_placed_alike():
+    """A follow-the-input or legacy rule answers for the placements it is asked about: the seeds
+    place inputs of one rank alike, enumerated from the largest (``where(cond, x, y)`` with a
+    broadcast ``cond`` that no shard fits: x and y together; torch 2.11's plan="auto" missed the
+    hand plan without it)."""
+    from fxshard.rules.dtensor import _seeds
+
+    cond, x = torch.empty(1, 1, 2, device="meta"), torch.empty(4, 8, 2, device="meta")
+    r = (Replicate(),)
+    seeds = _seeds([cond, x, x], rules.rules_mesh((4,)), [r, r, r])
+    for d in (0, 1):
+        assert [r, (Shard(d),), (Shard(d),)] in seeds, seeds

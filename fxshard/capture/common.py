@@ -150,6 +150,12 @@ def trace_error(module: nn.Module, e: BaseException, what: str = "trace") -> Run
     return RuntimeError(f"fxshard.capture: could not {what} {name}{at}: {type(e).__name__}: {e}")
 
 
+def _at(node: fx.Node) -> str:
+    """`` at file:line (`code`)`` of the user's line that made ``node``, or nothing."""
+    where, code = source_line(node.meta.get("stack_trace"))
+    return f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+
+
 def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
     """torch.cond / while_loop / ... are not sharded, nor are shapes that depend on tensor values
     (``x[mask]``, ``nonzero``): a clear error naming where they are."""
@@ -160,8 +166,7 @@ def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
             isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
             for v in vals
         ):
-            where, code = source_line(node.meta.get("stack_trace"))
-            at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+            at = _at(node)
             raise RuntimeError(
                 f"fxshard.capture: {module_name(module)} makes a tensor whose shape depends on "
                 f"tensor values{at} (node {node.name}: {node.target}). A sharded program is traced "
@@ -169,8 +174,7 @@ def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
                 "instead of boolean indexing, nonzero, masked_select or unique"
             )
         if node.target is torch.ops.aten._local_scalar_dense.default:
-            where, code = source_line(node.meta.get("stack_trace"))
-            at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+            at = _at(node)
             raise RuntimeError(
                 f"fxshard.capture: {module_name(module)} reads a tensor's value into Python{at} "
                 f"(node {node.name}: aten._local_scalar_dense, from .item() / float() / int()). "
@@ -181,8 +185,7 @@ def check_control_flow(gm: fx.GraphModule, module: nn.Module) -> None:
         op = control_flow_op(node)
         if op is None:
             continue
-        where, code = source_line(node.meta.get("stack_trace"))
-        at = f" at {where}" + (f" (`{code}`)" if code else "") if where else ""
+        at = _at(node)
         raise NotImplementedError(
             f"fxshard.capture: {module_name(module)} uses torch.{op}{at} (node {node.name}); "
             "fxshard does not shard control-flow operators yet: compute both branches and pick "

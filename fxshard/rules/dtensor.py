@@ -415,7 +415,7 @@ def dtensor_candidates(
     elif strat_fn is not None:
         _follow_the_input(op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in, found)
     elif not _decomposed_or_legacy(
-        op, has_decomp, rule, spec_schema, device_mesh, cur, n_in, found
+        op, has_decomp, rule, spec_schema, args, kwargs, tensors, device_mesh, cur, n_in, found
     ):
         return None
     res = [c for c in (_plain_outputs(c) for c in found) if c is not None]
@@ -459,29 +459,41 @@ def _plain_outputs(cand: Candidate) -> Candidate | None:
     return ins, tuple(new_outs)
 
 
+def _seeds(tensors, device_mesh, cur) -> list:
+    """Input placements to ask a rule that answers for given inputs only: the current ones, and
+    every placement of the inputs of each rank (the first input's rank first), those of one rank
+    placed alike where they can be (``where(cond, x, y)`` with a broadcast ``cond``: x and y
+    together, enumerated from the largest of them)."""
+    seeds = [list(cur)]
+    ranks = list(dict.fromkeys(t.ndim for t in tensors))
+    for ndim in ranks:
+        group = [j for j, t in enumerate(tensors) if t.ndim == ndim]
+        largest = max(group, key=lambda j: (tensors[j].numel(), -j))
+        tried = set()
+        for lead in dict.fromkeys((group[0], largest)):
+            for plc in _enum_placements(tensors[lead], device_mesh, cur[lead], True)[1:]:
+                if plc in tried:
+                    continue
+                tried.add(plc)
+                seeds.append(
+                    [
+                        plc
+                        if t.ndim == ndim
+                        and is_tensor_shardable(t.shape, DTensorSpec(device_mesh, plc))
+                        else c
+                        for t, c in zip(tensors, cur)
+                    ]
+                )
+    return seeds
+
+
 def _follow_the_input(
     op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in: int, found: dict
 ) -> None:
     """ "Follow-the-input" strategy functions (view, reductions, slice, cat, softmax...) return one
     OpSpec per input OpSpec: call once per seed input placement.  A function returning more than
     one spec for the first seed already enumerates everything (expand_to_full_mesh style): stop."""
-    first = tensors[0]
-    seeds = [cur]
-    for plc in _enum_placements(first, device_mesh, cur[0], True)[1:]:
-        seeds.append(
-            [
-                plc
-                if t.ndim == first.ndim
-                and is_tensor_shardable(t.shape, DTensorSpec(device_mesh, plc))
-                else c
-                for t, c in zip(tensors, cur)
-            ]
-        )
-    for j, t in enumerate(tensors[1:], 1):  # other-rank inputs varied one at a time
-        if t.ndim != first.ndim:
-            for plc in _enum_placements(t, device_mesh, cur[j], True)[1:]:
-                seeds.append(cur[:j] + [plc] + cur[j + 1 :])
-    for k, seed in enumerate(seeds):
+    for k, seed in enumerate(_seeds(tensors, device_mesh, cur)):
         before = len(found)
         try:
             _collect(
@@ -498,7 +510,7 @@ def _follow_the_input(
 
 
 def _decomposed_or_legacy(
-    op, has_decomp, rule, spec_schema, device_mesh, cur, n_in: int, found: dict
+    op, has_decomp, rule, spec_schema, args, kwargs, tensors, device_mesh, cur, n_in, found
 ) -> bool:
     """Candidates through the op's decomposition, else its legacy OutputSharding rule (one answer
     for the given placements).  False when it has neither."""
@@ -513,22 +525,28 @@ def _decomposed_or_legacy(
         return True
     if rule is None:
         return False
-    try:
-        res, in_schema = rule(spec_schema), spec_schema
-        if res.output_spec is None and res.redistribute_schema is not None:
-            in_schema = res.redistribute_schema
-            res = rule(in_schema)
-        if res.output_spec is not None:
-            o = res.output_spec
-            i = tuple(map(_plc, in_schema.args_spec))
-            found[
-                (
-                    i + (None,) * (n_in - len(i)),
-                    (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)),
-                )
-            ] = None
-    except Exception:
-        pass
+    # one answer per input placements (torch 2.11's index / index_select / convolution): asked
+    # for several, as follow-the-input functions are, so that a global solve sees its options
+    for seed in _seeds(tensors, device_mesh, cur):
+        schema = (
+            spec_schema if seed == list(cur) else _spec_schema(op, args, kwargs, device_mesh, seed)
+        )
+        try:
+            res, in_schema = rule(schema), schema
+            if res.output_spec is None and res.redistribute_schema is not None:
+                in_schema = res.redistribute_schema
+                res = rule(in_schema)
+            if res.output_spec is not None:
+                o = res.output_spec
+                i = tuple(map(_plc, in_schema.args_spec))
+                found[
+                    (
+                        i + (None,) * (n_in - len(i)),
+                        (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)),
+                    )
+                ] = None
+        except Exception:
+            continue  # the rule rejects these placements
     return True
 
 
