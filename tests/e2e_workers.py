@@ -306,3 +306,12 @@ def rank_fails_alone(rank, world, case):
         else:
             outcome = _outcome(lambda: fn(x))
     return outcome[0], outcome[1][:300], time.monotonic() - start
+
+
+def one_rank_dies(rank, world):
+    """Rank 1 exits at once, as a crash in native code would (no report); rank 0 raises."""
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    raise ValueError("rank 0's own error")

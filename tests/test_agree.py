@@ -41,3 +41,11 @@ def test_a_rank_that_fails_alone_fails_the_others_fast(case):
         assert outs[1][0] == "ValueError" and "shape (5, 16)" in outs[1][1]
     else:
         assert outs[0][0] == "RanksDisagree" and "did not come" in outs[0][1]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_without_a_word_is_named():
+    with pytest.raises(RuntimeError) as e:
+        spawn(2, e2e_workers.one_rank_dies, timeout=60)
+    assert "rank 0's own error" in str(e.value)
+    assert "rank 1 died (exit code 3) without reporting" in str(e.value)

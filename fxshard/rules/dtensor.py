@@ -415,7 +415,7 @@ def dtensor_candidates(
     elif strat_fn is not None:
         _follow_the_input(op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in, found)
     elif not _decomposed_or_legacy(
-        op, has_decomp, rule, spec_schema, args, kwargs, tensors, device_mesh, cur, n_in, found
+        op, has_decomp, rule, spec_schema, device_mesh, cur, n_in, found
     ):
         return None
     res = [c for c in (_plain_outputs(c) for c in found) if c is not None]
@@ -510,7 +510,7 @@ def _follow_the_input(
 
 
 def _decomposed_or_legacy(
-    op, has_decomp, rule, spec_schema, args, kwargs, tensors, device_mesh, cur, n_in, found
+    op, has_decomp, rule, spec_schema, device_mesh, cur, n_in: int, found: dict
 ) -> bool:
     """Candidates through the op's decomposition, else its legacy OutputSharding rule (one answer
     for the given placements).  False when it has neither."""
@@ -525,28 +525,25 @@ def _decomposed_or_legacy(
         return True
     if rule is None:
         return False
-    # one answer per input placements (torch 2.11's index / index_select / convolution): asked
-    # for several, as follow-the-input functions are, so that a global solve sees its options
-    for seed in _seeds(tensors, device_mesh, cur):
-        schema = (
-            spec_schema if seed == list(cur) else _spec_schema(op, args, kwargs, device_mesh, seed)
-        )
-        try:
-            res, in_schema = rule(schema), schema
-            if res.output_spec is None and res.redistribute_schema is not None:
-                in_schema = res.redistribute_schema
-                res = rule(in_schema)
-            if res.output_spec is not None:
-                o = res.output_spec
-                i = tuple(map(_plc, in_schema.args_spec))
-                found[
-                    (
-                        i + (None,) * (n_in - len(i)),
-                        (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)),
-                    )
-                ] = None
-        except Exception:
-            continue  # the rule rejects these placements
+    # one answer for the given input placements (torch 2.11's index, index_select, convolution);
+    # asked for the current ones only: such a rule does not check that its inputs can be so placed
+    # (asked with others, 2.11's convolution rule accepts a sharded weight)
+    try:
+        res, in_schema = rule(spec_schema), spec_schema
+        if res.output_spec is None and res.redistribute_schema is not None:
+            in_schema = res.redistribute_schema
+            res = rule(in_schema)
+        if res.output_spec is not None:
+            o = res.output_spec
+            i = tuple(map(_plc, in_schema.args_spec))
+            found[
+                (
+                    i + (None,) * (n_in - len(i)),
+                    (_plc(o),) if isinstance(o, DTensorSpec) else tuple(map(_plc, o)),
+                )
+            ] = None
+    except Exception:
+        pass
     return True
 
 

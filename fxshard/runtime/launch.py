@@ -100,10 +100,18 @@ def spawn(
             if errors:  # the others get a few seconds to report their side of it
                 deadline = min(deadline, time.monotonic() + 10)
     finally:
-        for p in procs:
+        stopped = set()
+        for r, p in enumerate(procs):
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
+                stopped.add(r)
+    for r, p in enumerate(procs):  # a rank that died without a word (a crash in native code)
+        if r in results or r in errors or r in stopped:
+            continue
+        if p.exitcode not in (None, 0):
+            how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+            errors[r] = f"rank {r} died ({how}) without reporting a result or an error"
     if errors:
         rank = min(errors, key=lambda r: (r < 0, r))  # a rank's own error first
         others = "".join(
