@@ -76,6 +76,10 @@ def test_dim_normalisation_is_what_makes_a_negative_dim_scan_right(monkeypatch):
     # scan alone
     monkeypatch.setattr(rules, "normalize_dims", lambda op, a, k: (tuple(a), dict(k)))
     wrong = rulecheck.check_rule(cumsum, [((x, -1), {})], exclude=False).wrong
+    if not wrong and rules.dtensor_candidates(
+        cumsum, (x, -1), {}, rules.rules_mesh((2,)), [(Replicate(),)]
+    ) == rules.dtensor_candidates(cumsum, (x, 1), {}, rules.rules_mesh((2,)), [(Replicate(),)]):
+        pytest.skip("this torch release's scan rule normalises the dim itself (2.14+)")
     assert any("S(1)" in w.strategy for w in wrong), wrong
 
 

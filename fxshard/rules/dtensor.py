@@ -403,7 +403,9 @@ def dtensor_candidates(
         return None  # e.g. factory ops (arange/full/zeros): DTensor never sees them
     spec_schema = _spec_schema(op, args, kwargs, device_mesh, cur)
 
-    if single is not None:  # preferred by DTensor when an op has both (mm, addmm, bmm, clone, conv)
+    if single is not None and _foreach_list(op, args):
+        _single_dim_foreach(op, single, args, kwargs, tensors, device_mesh, cur, n_in, found)
+    elif single is not None:  # preferred by DTensor when an op has both (mm, addmm, bmm, conv)
         try:
             _single_dim(op, single, spec_schema, n_in, found, reference)
         except (
@@ -457,6 +459,34 @@ def _plain_outputs(cand: Candidate) -> Candidate | None:
                 return None
         new_outs.append(tuple(fixed))
     return ins, tuple(new_outs)
+
+
+def _foreach_list(op, args) -> bool:
+    """A foreach op called on a list of tensors (torch 2.14+ rules these per element, per mesh
+    dim)."""
+    return op.name().startswith(
+        ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
+    ) and any(isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) for a in args)
+
+
+def _single_dim_foreach(op, info, args, kwargs, tensors, device_mesh, cur, n_in, found) -> None:
+    """A foreach op's per-element single-dim rule, expanded by DTensor itself (it translates the
+    list to its elements' op), asked with seeded placements: DTensor fills a rule's placeholders
+    only with the shard types its inputs have."""
+    from torch.distributed.tensor._ops import single_dim_strategy as sds
+
+    expand = getattr(sds, "_expand_single_dim_strategy_to_mesh", None)
+    if expand is None:
+        return
+    for seed in _seeds(tensors, device_mesh, cur):
+        try:
+            schema = _spec_schema(op, args, kwargs, device_mesh, seed)
+            wrapped = _SP._wrap_with_op_strategy(schema)
+            out_meta = _SP._propagate_tensor_meta_non_cached(schema)
+            strategy = expand(device_mesh, wrapped, info, out_meta)
+            _collect(strategy(op, wrapped.args_meta, wrapped.kwargs_meta), n_in, found)
+        except Exception as e:  # placements the rule rejects
+            log.debug("fxshard: DTensor's foreach rule for %s raised %r", op, e)
 
 
 def _seeds(tensors, device_mesh, cur) -> list:
