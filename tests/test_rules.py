@@ -191,3 +191,49 @@ def test_rules_that_answer_for_given_inputs_are_asked_with_inputs_placed_alike()
     seeds = _seeds([cond, x, x], rules.rules_mesh((4,)), [r, r, r])
     for d in (0, 1):
         assert [r, (Shard(d),), (Shard(d),)] in seeds, seeds
+
+
+def test_fxshards_rules_for_older_releases_are_right(monkeypatch):
+    """The rules fxshard uses where a torch release's DTensor has none, or a wrong one (2.11's
+    convolution, index_put, pooling, group norm, squeeze.dims): checked on every release by
+    hiding DTensor's rules, against single device on simulated ranks."""
+    from fxshard.runtime import rulecheck
+
+    aten = torch.ops.aten
+    hidden = {
+        aten.convolution.default,
+        aten.convolution_backward.default,
+        aten.index_put.default,
+        aten.max_pool2d_with_indices.default,
+        aten.native_group_norm.default,
+        aten.squeeze.dims,
+    }
+    real = rules.has_single_dim_rule
+    monkeypatch.setattr(rules, "has_single_dim_rule", lambda op: op not in hidden and real(op))
+    monkeypatch.setattr(
+        rules, "dtensor_candidates", lambda op, *a, **k: None if op in hidden else orig(op, *a, **k)
+    )
+    orig = rules.dtensor.dtensor_candidates
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 3, 8, 8, generator=g), torch.randn(8, 3, 3, 3, generator=g)
+    y = torch.nn.functional.conv2d(x, w, padding=1)
+    conv = (x, w, torch.randn(8, generator=g), [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    conv_bw = (y, x, w, [8], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, True])
+    self_, mask = torch.randn(4, 6, 8, generator=g), torch.zeros(4, 6, dtype=torch.bool)
+    mask[1] = True  # 6 values: as many as self's dim 1, which the mask covers
+    values = torch.randn(6, 8, generator=g)
+    idx = torch.tensor([0, 2, 3])
+    samples = {
+        aten.convolution.default: [(conv, {})],
+        aten.convolution_backward.default: [(conv_bw, {})],
+        aten.index_put.default: [
+            ((self_, [mask], values, True), {}),  # a mask covers two dims: only dim 2 shards
+            ((self_, [None, idx], torch.randn(4, 3, 8, generator=g), False), {}),
+        ],
+        aten.max_pool2d_with_indices.default: [((x, [2, 2], [2, 2], [0, 0], [1, 1], True), {})],
+        aten.native_group_norm.default: [((y, None, None, 4, 8, 64, 2, 1e-5), {})],
+        aten.squeeze.dims: [((torch.randn(4, 1, 8, 1, generator=g), [-1, 1]), {})],
+    }
+    for op, calls in samples.items():
+        report = rulecheck.check_rule(op, calls, exclude=False)
+        assert report.wrong == [] and report.checked >= 2, (op, str(report))

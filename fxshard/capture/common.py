@@ -201,10 +201,15 @@ TRACE_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 def drop_trace_checks(gm: fx.GraphModule) -> int:
     """Remove the metadata checks a trace left (no outputs, no effect on data); how many."""
-    gone = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in TRACE_CHECKS]
+    gone = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in TRACE_CHECKS and not n.users
+    ]
     for n in gone:
-        if not n.users:
-            gm.graph.erase_node(n)
+        gm.graph.erase_node(n)
+    if gone:
+        gm.recompile()
     return len(gone)
 
 

@@ -242,6 +242,8 @@ class PlacementProblem:
         used = used_outputs(node)
         states, seen = [], set()
         for ins, o in cands or ():
+            if out_val is None and not o:
+                o = (None,)  # an op that returns nothing (an assert): nothing to place
             try:
                 specs = self.input_specs_for(ins, targs, cur)
                 out_specs = tuple(
@@ -287,13 +289,13 @@ class PlacementProblem:
             return
         key = (node.target, info(node).source, why)
         seen = self._fallbacks.get(key)
-        if seen is None:
-            self._fallbacks[key] = [len(self.warnings), 1]
-            self.warn(self.fallback_warning(node, why))
+        if seen is None:  # logged once; the warnings list (explain) counts the later nodes
+            text = self.fallback_warning(node, why)
+            self._fallbacks[key] = [len(self.warnings), 1, text]
+            self.warn(text)
             return
         seen[1] += 1
-        first = self.warnings[seen[0]].split(" (and ")[0]
-        self.warnings[seen[0]] = f"{first} (and {seen[1] - 1} more nodes there)"
+        self.warnings[seen[0]] = f"{seen[2]} (and {seen[1] - 1} more nodes there)"
 
     # ---- placeholders ---------------------------------------------------------------------------
     def data_parallel(self, val: torch.Tensor) -> list:

@@ -17,9 +17,10 @@ from .dtensor import dtensor_candidates, has_single_dim_rule, single_dim_rule_co
 from .excluded import drop_excluded
 from .own import (
     BATCH_OPS,
+    CONVOLUTION_OPS,
     EMBEDDING,
     FACTORY_OPS,
-    INDEX_PUT,
+    INDEX_PUT_OPS,
     POOL_OPS,
     SDPA_OPS,
     SHAPE_RANDOM_OPS,
@@ -67,8 +68,11 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         return [((rep,) * len(input_placements), (rep,) * n_out)]
     if op in SHAPE_RANDOM_OPS:  # elementwise in one shape: the same rule on every release
         return shape_random_candidates(op, args, kwargs, device_mesh)
-    if op == INDEX_PUT and not has_single_dim_rule(op):  # torch 2.11's rule is wrong
-        return index_put_candidates(args, kwargs, device_mesh)
+    if not has_single_dim_rule(op):  # torch 2.11's rules for these are wrong
+        if op in INDEX_PUT_OPS:
+            return index_put_candidates(args, kwargs, device_mesh)
+        if op in CONVOLUTION_OPS:
+            return batch_candidates(op, args, kwargs, device_mesh)
     found = dtensor_candidates(
         op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True
     )

@@ -462,8 +462,8 @@ def _plain_outputs(cand: Candidate) -> Candidate | None:
 
 
 def _foreach_list(op, args) -> bool:
-    """A foreach op called on a list of tensors (torch 2.14+ rules these per element, per mesh
-    dim)."""
+    """A foreach op called on a list of tensors (DTensor's single-dim rules for these, where a
+    release has them, are per element: 2.14 moved most foreach ops there)."""
     return op.name().startswith(
         ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
     ) and any(isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor) for a in args)

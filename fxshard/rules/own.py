@@ -187,9 +187,15 @@ def embedding_candidates(
 BATCH_OPS = {
     aten.native_group_norm.default: ("brr", "bbb"),
     aten.native_group_norm_backward.default: ("bbbbr", "bpp"),
+    aten.convolution.default: ("brr", "b"),
+    aten.convolution_backward.default: ("bbr", "bpp"),
 }
-# pooling (and its backward): every dim but the last two (batch, channels) is independent, and all
-# tensors share the placement
+# torch 2.11 rules convolution with legacy rules written for DTensor's own convolution handlers,
+# which do not look at the weight's or bias's placement (and always make the weight gradient
+# Partial on mesh dim 0): where DTensor has no single-dim rule for them, BATCH_OPS' is used
+CONVOLUTION_OPS = frozenset({aten.convolution.default, aten.convolution_backward.default})
+# pooling (and its backward): N and C (every dim but the last two, the spatial ones) are
+# independent, and all tensors share the placement
 POOL_OPS = frozenset(
     {
         aten.max_pool2d_with_indices.default,
@@ -210,7 +216,9 @@ def _n_outputs(op: OpOverload) -> int:
 
 
 def pool_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMesh) -> list:
-    n_in, ndim = len(_tensors(args, kwargs)), _tensors(args, kwargs)[0].ndim
+    """Pooling: per mesh dim, every tensor replicated or all sharded alike on a non-spatial dim."""
+    tensors = _tensors(args, kwargs)
+    n_in, ndim = len(tensors), tensors[0].ndim
     columns = [Replicate()] + [Shard(d) for d in range(ndim - 2)]
     return [
         ((plc,) * n_in, (plc,) * _n_outputs(op))
@@ -247,7 +255,7 @@ def shape_random_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMes
     one output spec for its two outputs."""
     tensors = _tensors(args, kwargs)
     if any(t.shape != tensors[0].shape for t in tensors):
-        return []
+        return []  # (every op listed has one tensor input; an op with others is not elementwise)
     columns = [Replicate()] + [Shard(d) for d in range(tensors[0].ndim)]
     return [
         ((plc,) * len(tensors), (plc,) * _n_outputs(op))
@@ -258,7 +266,7 @@ def shape_random_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMes
 # index_put: torch 2.11's DTensor rule (a strategy function, before the single-dim rules of 2.12)
 # keeps self sharded on an indexed dim when values has as many dims as self, which is wrong (the
 # checker finds it); where DTensor has no single-dim rule for it, this one is used instead
-INDEX_PUT = aten.index_put.default
+INDEX_PUT_OPS = frozenset({aten.index_put.default, aten._index_put_impl_.default})
 
 
 def index_put_candidates(args, kwargs, device_mesh: DeviceMesh) -> list:
@@ -267,10 +275,19 @@ def index_put_candidates(args, kwargs, device_mesh: DeviceMesh) -> list:
     ``accumulate``, self and values partial too (a scatter-add is linear in both)."""
     x, indices, values = args[0], list(args[1]), args[2]
     accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
-    indexed = [i for i, t in enumerate(indices) if t is not None]
+    # the dims of self an index covers: one, or as many as a boolean mask has
+    covered, d = [], 0
+    for t in indices:
+        if t is not None and t.dtype in (torch.bool, torch.uint8):
+            covered += range(d, d + t.ndim)
+            d += t.ndim
+        else:
+            if t is not None:
+                covered.append(d)
+            d += 1
     n_idx = sum(t is not None for t in indices)
     columns = [(Replicate(), Replicate())]  # (self and output, values)
-    for d in range(max(indexed, default=-1) + 1, x.ndim):
+    for d in range(max(covered, default=-1) + 1, x.ndim):
         vd = d - x.ndim + values.ndim
         if vd >= 0 and values.shape[vd] == x.shape[d]:
             columns.append((Shard(d), Shard(vd)))
