@@ -226,6 +226,11 @@ def test_an_attribute_changed_after_sharding_is_an_error():
     model.eval()
     with pytest.raises(ValueError, match="changed since it was sharded"):
         prog.simulate(x)
+    model.train()
+    prog.simulate(x)  # as traced again
+    model.fc.weight = nn.Parameter(model.fc.weight.detach() * 2)
+    with pytest.raises(ValueError, match="fc.weight is another tensor than when traced"):
+        prog.simulate(x)
 
 
 # ---- lowering: ops whose arguments carry global shapes ----------------------------------------

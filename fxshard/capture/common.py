@@ -305,21 +305,38 @@ class ModelSnapshot:
 
     attrs: tuple  # ((module fqn, attribute, value), ...)
     tensors: tuple  # ((fqn, id of the tensor), ...)
+    # the same, as (dict, key, value or id) of the live modules: what every call compares (walking
+    # the module tree again and naming everything cost ~1.6 ms a call on a 32-layer Llama)
+    watch: tuple = field(default=(), compare=False, repr=False)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelSnapshot:
-        attrs = []
-        for fqn, m in model.named_modules():
-            for k, v in vars(m).items():
+        attrs, watch = [], []
+        for fqn, m in model.named_modules(remove_duplicate=False):
+            d = vars(m)
+            for k, v in d.items():
                 if isinstance(v, _PLAIN) or (
                     isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)
                 ):
                     attrs.append((fqn, k, v))
+                    watch.append((d, k, v, False))
+            for table in (m._parameters, m._buffers, m._modules):
+                watch += [(table, k, id(t), True) for k, t in table.items()]
         tensors = [(f, id(t)) for f, t in model.named_parameters(remove_duplicate=False)]
         tensors += [(f, id(t)) for f, t in model.named_buffers(remove_duplicate=False)]
-        return cls(tuple(attrs), tuple(tensors))
+        return cls(tuple(attrs), tuple(tensors), tuple(watch))
+
+    def _unchanged(self) -> bool:
+        missing = object()
+        for d, k, v, by_id in self.watch:
+            now = d.get(k, missing)
+            if now is missing or (id(now) != v if by_id else not (now is v or now == v)):
+                return False
+        return bool(self.watch)
 
     def changes(self, model: nn.Module) -> list[str]:
+        if self._unchanged():
+            return []
         now = ModelSnapshot.of(model)
         if now == self:
             return []
