@@ -531,6 +531,11 @@ def tensor_version(t: torch.Tensor) -> int:
     return t._version
 
 
+def module_children_slot(module: torch.nn.Module) -> dict:
+    """The module's own dict of submodules (``_modules``)."""
+    return module._modules
+
+
 def module_tensor_slots(module: torch.nn.Module) -> tuple[dict, dict]:
     """(parameters, buffers) registered directly on ``module``, None entries included."""
     return module._parameters, module._buffers

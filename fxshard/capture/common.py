@@ -16,7 +16,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .._torch import control_flow_op, is_data_dependent_error, record_frames_of
+from .._torch import (
+    control_flow_op,
+    is_data_dependent_error,
+    module_children_slot,
+    module_tensor_slots,
+    record_frames_of,
+)
 from ..ir import BOUNDARY, INPUT, TANGENT, NodeKind, info
 
 
@@ -320,7 +326,7 @@ class ModelSnapshot:
                 ):
                     attrs.append((fqn, k, v))
                     watch.append((d, k, v, False))
-            for table in (m._parameters, m._buffers, m._modules):
+            for table in (*module_tensor_slots(m), module_children_slot(m)):
                 watch += [(table, k, id(t), True) for k, t in table.items()]
         tensors = [(f, id(t)) for f, t in model.named_parameters(remove_duplicate=False)]
         tensors += [(f, id(t)) for f, t in model.named_buffers(remove_duplicate=False)]
