@@ -4,6 +4,7 @@ plain trace gives, node for node, and compute the same values."""
 
 import logging
 
+import others
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -108,11 +109,51 @@ class _KwargLayers(nn.Module):
         return x.sum()
 
 
-def test_calls_it_cannot_represent_fall_back_to_the_plain_trace(caplog):
+class _Scale:
+    def __init__(self, s):
+        self.s = s
+
+
+class _ObjectArgLayer(nn.Linear):
+    def forward(self, x, how):
+        return super().forward(x) * how.s
+
+
+class _ObjectArgLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_ObjectArgLayer(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, _Scale(2.0))
+        return x.sum()
+
+
+def test_keyword_and_nested_tensor_arguments_are_stitched(caplog):
     m, x = _KwargLayers(), torch.randn(2, 8)
     with caplog.at_level(logging.INFO, logger="fxshard.stitch"):
         c = capture_joint(m, [x], reuse_layers=True)
-    assert "keyword or non-tensor arguments" in caplog.text
+    assert "reuse_layers does not apply" not in caplog.text
+    assert _canon(c.gm) == _canon(capture_joint(m, [x]).gm)
+    # Hugging Face's structure: model.layers.N called with position_embeddings=(cos, sin), a mask
+    m = others.init(others.HFLlama(others.Config(n_layers=3)))
+    tokens = torch.randint(0, 128, (2, 8))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fxshard.stitch"):
+        stitched = capture_joint(m, [tokens], reuse_layers=True)
+    assert "reuse_layers does not apply" not in caplog.text
+    plain = capture_joint(m, [tokens])
+    assert _canon(stitched.gm) == _canon(plain.gm)
+    a, b = _run(plain, tokens), _run(stitched, tokens)
+    assert all(u is None and v is None or torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_calls_it_cannot_represent_fall_back_to_the_plain_trace(caplog):
+    m, x = _ObjectArgLayers(), torch.randn(2, 8)
+    with caplog.at_level(logging.INFO, logger="fxshard.stitch"):
+        c = capture_joint(m, [x], reuse_layers=True)
+    assert "is called with a _Scale argument" in caplog.text
     assert _canon(c.gm) == _canon(capture_joint(m, [x]).gm)
     assert all("forward" not in vars(layer) for layer in m.layers)  # the class's forward again
 

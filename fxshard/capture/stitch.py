@@ -7,18 +7,20 @@ LLaMA-3-8B layer here, so a 32-layer capture costs ~9 s before any planning.  Wi
 is traced once on its own (forward + backward), and every opaque pair is then replaced by a copy of
 that layer's joint graph wired to the layer's own parameters, inputs and incoming gradient.
 
-What is traced for real: the model's own code around the layers (so an index-dependent loop, a
-skip connection or a different argument per layer is captured as written) and each layer's code
-once per call signature.  What is assumed: two layers whose state is equal (same class and
-submodule structure, parameter and buffer shapes/dtypes/strides/requires_grad, equal plain
-attributes, no hooks inside that differ) compute the same function of their tensors.  A layer
-whose state differs (say a ``layer_idx`` attribute, or a sliding-window flag) gets its own trace;
-a call this pass cannot represent makes the whole capture fall back to the plain trace, with a log
-line that says why: keyword or non-tensor arguments; outputs that are not a tensor or a flat tuple
+What is traced for real: the model's own code around the layers (so an index-dependent loop, a skip
+connection or a different argument per layer is captured as written) and each layer's code once per
+call signature. What is assumed: two layers whose state is equal (same class and submodule
+structure, parameter and buffer shapes/dtypes/strides/requires_grad, equal plain attributes, no
+hooks inside that differ) compute the same function of their tensors. A layer whose state differs
+(say a ``layer_idx`` attribute, or a sliding-window flag) gets its own trace; a call this pass
+cannot represent makes the whole capture fall back to the plain trace, with a log line that says
+why: an argument that is neither a tensor nor a constant (tensors may come in tuples, lists, dicts
+and keywords: HF's ``position_embeddings=(cos, sin)``; None, numbers, strings and dtypes are baked
+into the layer's trace and are part of its signature); outputs that are not a tensor or a flat tuple
 of tensors; an output that is (a view of) an input or of another output (AOT gives it no gradient
 input of its own, so its gradient would be lost); an output the model never differentiates (the
 layer's backward would run on zeros, which the plain trace never does); tied parameters inside a
-layer; gradients off.  Outputs autograd does not track stay untracked (marked non-differentiable),
+layer; gradients off. Outputs autograd does not track stay untracked (marked non-differentiable),
 and a layer graph's tensor constants are copied into the model's graph under fresh names.
 """
 
@@ -34,7 +36,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .._torch import describe, export_joint, is_fake_of, no_fake_mode, tree_flatten
+from .._torch import (
+    describe,
+    export_joint,
+    is_fake_of,
+    no_fake_mode,
+    tree_flatten,
+    tree_unflatten,
+)
 from ..ir import BOUNDARY
 from .layers import alike_layers, tensor_key
 from .markers import Markers
@@ -137,12 +146,42 @@ LAYER_BWD = torch.ops.fxshard.layer_bwd.default
 class _Alone(nn.Module):
     """One layer traced on its own: its class's forward (its own hooks are the model's business)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, call: _Call):
         super().__init__()
         self.inner = layer
+        self.call = call
 
-    def forward(self, *args):
-        return type(self.inner).forward(self.inner, *args)
+    def forward(self, *tensors):
+        args, kwargs = self.call.rebuild(tensors)
+        return type(self.inner).forward(self.inner, *args, **kwargs)
+
+
+_CONSTANT_LEAVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class _Call:
+    """How a layer is called: its tensors (the traced graph's inputs, in pytree order of
+    ``(args, kwargs)``) and everything else, which the trace bakes in (part of the signature):
+    HF's decoder layers take ``position_embeddings=(cos, sin)``, masks and flags as keywords."""
+
+    def __init__(self, fqn: str, args: tuple, kwargs: dict):
+        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
+        self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not self.tensors:
+            raise Unsupported(f"{fqn} is called without tensor arguments")
+        for x in leaves:
+            if not isinstance(x, (torch.Tensor, *_CONSTANT_LEAVES)):
+                raise Unsupported(f"{fqn} is called with a {type(x).__name__} argument")
+        self.constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+        self.is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+
+    def key(self) -> tuple:
+        return (str(self.spec), self.constants, self.is_tensor)
+
+    def rebuild(self, tensors: Sequence) -> tuple[tuple, dict]:
+        it = iter(tensors)
+        leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]
+        return tree_unflatten(leaves, self.spec)
 
 
 def _state(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
@@ -183,18 +222,21 @@ def opaque_layers(
     prefix = f"{id(model):x}"
 
     def signature(gi, fqn, args, kwargs):
-        if kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args):
-            raise Unsupported(f"{fqn} is called with keyword or non-tensor arguments")
-        return gi, tuple(tensor_key(a) + (a.device,) for a in args)
+        call = _Call(fqn, args, kwargs)
+        return (
+            gi,
+            call.key(),
+            tuple(tensor_key(a) + (a.device,) for a in call.tensors),
+        ), call
 
     def make_probe(gi, fqn, layer):
         def probe(*args, **kwargs):
-            sig = signature(gi, fqn, args, kwargs)
+            sig, call = signature(gi, fqn, args, kwargs)
             lt = traces.get(sig)
             if lt is None:
                 with markers.marking(True):  # markers inside the layer belong in its graph
                     lt = traces[sig] = _trace_layer(
-                        f"{prefix}:{len(traces)}", fqn, layer, args, fake_mode, decompositions
+                        f"{prefix}:{len(traces)}", fqn, layer, call, fake_mode, decompositions
                     )
             elif sig not in checked and fqn != lt.fqn:
                 # Equal state is not proof of equal behaviour (a forward may read a global, or
@@ -203,7 +245,7 @@ def opaque_layers(
                 checked.add(sig)
                 with markers.marking(True):
                     other = _trace_layer(
-                        f"{prefix}:check", fqn, layer, args, fake_mode, decompositions
+                        f"{prefix}:check", fqn, layer, call, fake_mode, decompositions
                     )
                 _LAYERS.pop(other.key, None)
                 if not _same_trace(lt, other):
@@ -221,14 +263,14 @@ def opaque_layers(
 
     def make_call(gi, fqn, layer):
         def call(*args, **kwargs):
-            sig = signature(gi, fqn, args, kwargs)
+            sig, how = signature(gi, fqn, args, kwargs)
             lt = traces.get(sig)
             if lt is None:
                 raise Unsupported(
-                    f"{fqn} is called with inputs the probing pass did not see ({sig[1]})"
+                    f"{fqn} is called with inputs the probing pass did not see ({sig[2]})"
                 )
             out = layer_fwd(
-                f"{lt.key}@{fqn}", _state(layer)[1], list(args)
+                f"{lt.key}@{fqn}", _state(layer)[1], list(how.tensors)
             )  # which layer: for its markers
             return out[0] if lt.single else tuple(out)
 
@@ -255,17 +297,18 @@ def opaque_layers(
             _LAYERS.pop(lt.key, None)
 
 
-def _trace_layer(key, fqn, layer, args, fake_mode, decompositions) -> _LayerTrace:
+def _trace_layer(key, fqn, layer, call: _Call, fake_mode, decompositions) -> _LayerTrace:
     fakes = [
         (
             a.detach() if is_fake_of(fake_mode, a) else fake_mode.from_tensor(a.detach())
         ).requires_grad_(a.requires_grad)
-        for a in args
+        for a in call.tensors
     ]
     with fake_mode:  # which outputs autograd tracks, and that they are a flat tuple of tensors
-        real = type(layer).forward(layer, *fakes)
+        args, kwargs = call.rebuild(fakes)
+        real = type(layer).forward(layer, *args, **kwargs)
         leaves, spec = tree_flatten(real)
-        gm, out_spec = export_joint(_Alone(layer), fakes, decompositions)
+        gm, out_spec = export_joint(_Alone(layer, call), fakes, decompositions)
     if not (
         spec.is_leaf() or (spec.type is tuple and all(c.is_leaf() for c in spec.children()))
     ) or not all(isinstance(x, torch.Tensor) for x in leaves):
