@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -30,17 +31,19 @@ from torch.distributed.tensor import Replicate
 
 from .capture import Captured, capture_dynamo_graph, capture_forward, capture_joint
 from .capture.common import ModelSnapshot
-from .core.config import DEFAULT_BUCKET_BYTES, ShardConfig
+from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .ir import NodeKind, info
 from .passes.redistribute import insert_redistributes
 from .placement import greedy
-from .placement.auto import AutoOptions, annotate_auto
+from .placement.auto import AutoInfeasible, AutoOptions, annotate_auto
 from .placement.constraints import PlanConstraints, resolve_plan
 from .placement.problem import PlacementProblem
 from .report import log_program
 from .runtime.program import ShardedProgram
+
+log = logging.getLogger("fxshard")
 
 PASS_POINTS = ("after_annotate", "after_redistribute", "after_lower", "after_bucket")
 _RENAMED_POINTS = {"after_fuse": "after_bucket"}  # deprecated name -> point
@@ -95,6 +98,7 @@ def capture(
     training: bool = False,
     reuse_layers: bool | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    search: str = DEFAULT_SEARCH,
 ) -> Captured:
     """Stage 1: trace to an ATen graph; module boundaries the plan names are marked.  ``training``:
     the joint forward+backward graph (outputs: the forward outputs, then the gradients).
@@ -110,6 +114,7 @@ def capture(
         cost_model=cost_model,
         multi_dim_collectives=_multi_dim(multi_dim_collectives, fuse),
         bucket_bytes=bucket_bytes,
+        search=search,
     )
     constraints = resolve_plan(
         plan, model if isinstance(model, nn.Module) else None, config.mesh, tp_dim
@@ -151,40 +156,63 @@ def annotate(
 ) -> Captured:
     """Stage 2: a placement for every node (``node.meta["fxshard"].spec``) and its provenance.
 
-    With ``plan="auto"`` (or a plan entry ``"*": "auto"``) every placement the plan does not fix is
-    chosen by one global solve (``fxshard.placement.auto``); ``auto_options`` sets its memory
-    budget.
-    ``captured.auto`` then holds the solver's report.  Otherwise each node takes the cheapest of its
-    legal states in graph order (``fxshard.placement.greedy``)."""
+    The placements a plan does not fix are chosen by one global solve (``fxshard.placement.auto``):
+    with ``plan="auto"`` (or a plan entry ``"*": "auto"``) every placement the plan does not fix,
+    parameters and inputs included (``auto_options`` sets its memory budget); with any other plan
+    (the default ``search="global"``), every op's placement, the plan's parameters, inputs and
+    module boundaries fixed.  ``captured.auto`` then holds the solver's report.  With
+    ``search="greedy"`` each node takes the cheapest of its legal states given its inputs, in graph
+    order (``fxshard.placement.greedy``: DTensor's op-by-op choice).  A global solve that finds no
+    finite plan (a boundary no redistribution reaches) falls back to the greedy one, logged."""
     config, cons = captured.config, captured.constraints
     _check_placements(config.mesh, input_placements, output_placements)
     if not cons.auto and auto_options is not None:
         raise ValueError("auto_options applies to plan='auto' (or a plan with a '*': 'auto' entry)")
     auto_options = _auto_options(auto_options)
+
+    def problem_for(multi_dim: bool) -> PlacementProblem:
+        return PlacementProblem(
+            config.mesh,
+            config.cost_model,
+            cons,
+            input_placements=input_placements,
+            output_placements=output_placements,
+            multi_dim=multi_dim,
+            batch_size=config.batch_size,
+            replicate_grads=config.replicate_grads,
+            training=captured.training,
+        )
+
     # The greedy choices are made on unfused costs and fusion is applied when the redistributions
     # are planned: each planned redistribution then costs at most its unfused plan, so a fused
     # program is never worse than the unfused one (greedy choices made on fused costs can be).
-    problem = PlacementProblem(
-        config.mesh,
-        config.cost_model,
-        cons,
-        input_placements=input_placements,
-        output_placements=output_placements,
-        multi_dim=config.multi_dim_collectives if cons.auto else False,
-        batch_size=config.batch_size,
-        replicate_grads=config.replicate_grads,
-        training=captured.training,
-    )
+    # A global solve prices fused collectives itself.
     if cons.auto:
         captured.warnings, captured.auto = annotate_auto(
             captured.gm,
-            problem,
+            problem_for(config.multi_dim_collectives),
             options=auto_options or AutoOptions(),
             blocks=cons.blocks,
             training=captured.training,
         )
     else:
+        problem = problem_for(False)
         captured.warnings = greedy.annotate(captured.gm, problem)
+        if config.search == "global":
+            # the global solve starts from the greedy plan and searches around it
+            problem.multi_dim = config.multi_dim_collectives
+            try:
+                captured.warnings, captured.auto = annotate_auto(
+                    captured.gm,
+                    problem,
+                    # "follow" keeps one state per input placement, the cheapest to compute, and
+                    # can drop the greedy one: the search would no longer contain the greedy plan
+                    options=AutoOptions(follow=False),
+                    training=captured.training,
+                    anchored=True,
+                )
+            except AutoInfeasible as e:  # the greedy annotation is still in place
+                log.info("fxshard: the global placement solve found no plan (%s); greedy kept", e)
     captured.stage = "annotated"
     return captured
 
@@ -301,6 +329,7 @@ def shard(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     auto_options: AutoOptions | None = None,
     reuse_layers: bool | None = None,
+    search: str = DEFAULT_SEARCH,
 ) -> ShardedProgram:
     """Shard ``model`` (an nn.Module or a plain callable) over ``mesh`` (MeshSpec or DeviceMesh).
 
@@ -315,7 +344,9 @@ def shard(
     one collective over several mesh dims (a flattened group) where that is cheaper (``fuse`` is
     its old name); ``bucket_bytes``: merge independent collectives of one kind and group in the
     per-rank graph up to this many bytes (0: off).  ``reuse_layers`` (training, default on): trace
-    each repeated layer once (see ``capture``).
+    each repeated layer once (see ``capture``).  ``search``: how the placements the plan leaves
+    free are chosen, ``"global"`` (one solve over the graph) or ``"greedy"`` (node by node; see
+    ``annotate``).
     """
     by_point = _passes_by_point(passes)
     c = capture(
@@ -329,6 +360,7 @@ def shard(
         training=training,
         reuse_layers=reuse_layers,
         bucket_bytes=bucket_bytes,
+        search=search,
     )
     annotate(
         c,

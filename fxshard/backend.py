@@ -24,7 +24,8 @@ Options (``options={...}``): ``mesh`` (a ``DeviceMesh``; a ``MeshSpec`` or shape
 debugging), ``simulate`` (True: run every rank in this process with exact collectives; outputs
 are the global values; no process group needed), ``agreement`` (``fxshard.AgreementOptions``:
 how the ranks check, on each graph's first calls, that they run one program on the same inputs
-and parameters; see ``fxshard.runtime.agree``).
+and parameters; see ``fxshard.runtime.agree``), ``search`` (``"global"``, the default: the
+placements the plan leaves free are chosen by one solve over the graph; ``"greedy"``: op by op).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch.nn as nn
 from . import api
 from ._torch import calling_modules, dynamo_frame_locals, placeholder_source, tensor_version
 from .capture import dynamo_sources, source_fqn
-from .core.config import DEFAULT_BUCKET_BYTES, ShardConfig
+from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .ir import INPUT, STATE_KINDS, TANGENT, info
 from .passes.lower import local_shape
@@ -64,6 +65,7 @@ OPTIONS = (
     "simulate",
     "auto_options",
     "agreement",
+    "search",
 )
 
 
@@ -82,6 +84,7 @@ class BackendOptions:
     simulate: bool = False
     auto_options: object = None  # fxshard.AutoOptions, with plan="auto" (or a "*": "auto" entry)
     agreement: AgreementOptions | None = None  # how the ranks check they run one program
+    search: str = DEFAULT_SEARCH  # how the placements the plan leaves free are chosen (or "greedy")
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -284,6 +287,7 @@ class ShardedGraph:
             cost_model=opts.cost_model,
             multi_dim_collectives=opts.multi_dim_collectives,
             bucket_bytes=opts.bucket_bytes,
+            search=opts.search,
             batch_size=first.shape[0] if first is not None and first.ndim else None,
             replicate_grads=training,
         )  # gradients go back to the global tensors

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import api
 from ._torch import Replicate, fake_mode, set_module_tensor
-from .core.config import DEFAULT_BUCKET_BYTES
+from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
@@ -57,6 +57,7 @@ class ParallelModule(nn.Module):
         inductor: bool = True,
         init_fn: Callable | None = None,
         agreement: AgreementOptions | None = None,
+        search: str = DEFAULT_SEARCH,
     ):
         super().__init__()
         import torch.distributed as dist
@@ -83,6 +84,7 @@ class ParallelModule(nn.Module):
             multi_dim_collectives=api._multi_dim(multi_dim_collectives, fuse),
             bucket_bytes=bucket_bytes,
             cost_model=cost_model or CostModel(self.mesh),
+            search=search,
         )
         self.inductor = inductor
         self.agreement = agreement
@@ -331,7 +333,7 @@ class ParallelModule(nn.Module):
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs) -> ParallelModule:
     """``model`` with every parameter replaced by this rank's shard (see the module docstring).
 
-    ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``,
+    ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``, ``search``,
     ``inductor`` (False: run the per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)``
     (fills shards of a meta-built model), ``agreement`` (``fxshard.AgreementOptions``: where the
     ranks' models differ, rank ``src_data_rank``'s values are sharded; the first calls of each

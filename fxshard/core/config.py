@@ -10,6 +10,8 @@ from .cost import CostModel, CostModelLike
 from .mesh import MeshSpec
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+SEARCHES = ("global", "greedy")  # how the placements a plan leaves free are chosen
+DEFAULT_SEARCH = "global"
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,10 @@ class ShardConfig:
     this many bytes (0: off); ``batch_size``: data-parallel mesh dims shard only inputs of this
     leading size (None: every input whose dim 0 divides); ``replicate_grads``: a joint graph hands
     its gradients back global (the ``torch.compile`` backend) instead of placed like their
-    values."""
+    values; ``search``: how the placements a plan leaves free are chosen: ``"global"`` (one solve
+    over the whole graph, the plan's parameter, input and boundary placements fixed: the placement
+    problem ``plan="auto"`` solves) or ``"greedy"`` (node by node in graph order, each taking the
+    cheapest state given its inputs: DTensor's op-by-op way)."""
 
     mesh: MeshSpec
     cost_model: object
@@ -33,6 +38,11 @@ class ShardConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     batch_size: int | None = None
     replicate_grads: bool = False
+    search: str = DEFAULT_SEARCH
+
+    def __post_init__(self):
+        if self.search not in SEARCHES:
+            raise ValueError(f"search={self.search!r}: one of {SEARCHES}")
 
     @classmethod
     def make(

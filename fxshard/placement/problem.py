@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from .. import rules
-from .._torch import Partial, Placement, Replicate, Shard, flop_count, is_strided_shard, tree_map
+from .._torch import Partial, Placement, Replicate, Shard, flop_count, tree_map
 from ..core.cost import CostModelLike
 from ..core.mesh import MeshSpec
 from ..core.spec import ShardingSpec, is_even
@@ -207,7 +207,8 @@ class PlacementProblem:
 
     def input_specs_for(self, placements: Sequence, targs: Sequence, cur: Sequence) -> tuple | None:
         """The input specs of a candidate (an input it leaves unplaced keeps ``cur``), or None where
-        one is not plain (strided, a Partial other than sum) or does not divide evenly."""
+        one is a Partial other than sum or does not divide evenly (strided shards are kept: a view
+        that merges a sharded dim into an outer one gives one, eager attention's bmm takes it)."""
         if len(placements) != len(targs):
             return None  # a rule that places some inputs only would leave the rest where they are
         specs = []
@@ -215,10 +216,7 @@ class PlacementProblem:
             if plc is None:
                 specs.append(c)
                 continue
-            if any(
-                is_strided_shard(p) or (isinstance(p, Partial) and type(p) is not Partial)
-                for p in plc
-            ):
+            if any(isinstance(p, Partial) and type(p) is not Partial for p in plc):
                 return None
             s = self.spec(plc, _val(a))
             if not is_even(s):

@@ -73,9 +73,7 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
             return index_put_candidates(args, kwargs, device_mesh)
         if op in CONVOLUTION_OPS:
             return batch_candidates(op, args, kwargs, device_mesh)
-    found = dtensor_candidates(
-        op, args, kwargs, device_mesh, input_placements, drop_strided_shard=True
-    )
+    found = dtensor_candidates(op, args, kwargs, device_mesh, input_placements)
     if found is None:  # ops DTensor rules only in later torch releases
         if op in POOL_OPS:
             return pool_candidates(op, args, kwargs, device_mesh)

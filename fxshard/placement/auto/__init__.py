@@ -125,15 +125,27 @@ def annotate_auto(
     options: AutoOptions | None = None,
     blocks: Sequence = (),
     training: bool = False,
+    anchored: bool = False,
 ) -> tuple[list[str], AutoReport]:
-    """``annotate`` for ``plan="auto"``: every node's placement from one global solve."""
+    """``annotate`` by one global solve: every node's placement (``plan="auto"``); or, with
+    ``anchored``, improving on the annotation the graph carries (greedy's): its placeholders kept,
+    every other node choosing among that annotation's state and the states its producers feed
+    as they are (the ``search="global"`` of a fixed plan)."""
     t0 = time.perf_counter()
-    fg = FactorGraph(gm, problem, options or AutoOptions(), blocks=blocks, training=training)
+    fg = FactorGraph(
+        gm,
+        problem,
+        options or AutoOptions(),
+        blocks=blocks,
+        training=training,
+        anchored=anchored,
+    )
     fg.build()
     choice = solve(fg)
     t1 = time.perf_counter()
     fg.apply(choice)
-    for node, why in fg.fallbacks:  # an op with no rule, where its inputs had to be gathered
+    for node, why in () if anchored else fg.fallbacks:  # (the anchor's annotation warned)
+        # an op with no rule, where its inputs had to be gathered
         problem.warn_fallback(node, why, [info(a).spec for a in tensor_args(node)])
     fg.report.times["apply"] = time.perf_counter() - t1
     fg.report.times["total"] = time.perf_counter() - t0
