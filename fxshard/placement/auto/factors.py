@@ -169,11 +169,13 @@ class FactorGraph:
         return len(self.vars) - 1
 
     def producer(self, a: fx.Node) -> tuple[fx.Node, int]:
-        """(node whose variable decides ``a``'s placement, output index): through getitem and
-        transparent boundaries."""
+        """(node whose variable decides ``a``'s placement, output index): through getitem,
+        transparent boundaries and (while the graph is being built) shared layers."""
         idx = 0
         while a not in self.var_of:
-            if a.op == "call_function" and a.target is operator.getitem:
+            if a in self.share:
+                a = self.share[a]
+            elif a.op == "call_function" and a.target is operator.getitem:
                 a, idx = a.args[0], a.args[1]
             elif a in self.transparent:
                 a = a.args[0]
@@ -262,9 +264,14 @@ class FactorGraph:
             )
         return specs
 
-    def _op_states(self, node: fx.Node, share: dict, transparent: set) -> tuple[list, str]:
+    def _op_states(self, node: fx.Node) -> tuple[list, str]:
         targs = tensor_args(node)
-        cur = [self.p.replicated(_val(a)) for a in targs]
+        # rules enumerate every plain placement whatever ``cur`` is; anchored, ``cur`` is the
+        # anchor's (its strided inputs are seeds too, and the rule's answer is cached from it)
+        if self.anchored:
+            cur = [info(a).spec for a in targs]
+        else:
+            cur = [self.p.replicated(_val(a)) for a in targs]
         legal = self.p.legal_states(node, cur)
         if legal.source == "fallback":
             self.fallbacks.append((node, legal.why))  # warned after the solve, where it costs
@@ -277,7 +284,7 @@ class FactorGraph:
             return [st for st in legal.states if not _has_strided(st)] or strided, "auto"
         if legal.source == "rule":
             states, seen = list(legal.states), set(legal.states)
-            for alt in self._strided_inputs(targs, cur, share, transparent):
+            for alt in self._strided_inputs(targs, cur):
                 more = self.p.legal_states(node, alt)
                 if more.source == "rule":
                     states += [st for st in more.states if st not in seen]
@@ -285,22 +292,15 @@ class FactorGraph:
             return states, "auto"
         return legal.states, "factory: replicated" if legal.source == "factory" else "auto"
 
-    def _available(self, a, share: dict, transparent: set) -> set[int]:
-        """Spec ids ``a`` can have: its deciding variable's output states (empty: not known)."""
-        idx = 0
-        while a not in self.var_of and a not in share:
-            if a.op == "call_function" and a.target is operator.getitem:
-                a, idx = a.args[0], a.args[1]
-            elif a in transparent:
-                a = a.args[0]
-            else:
-                return set()
-        v = self.var_of.get(share.get(a, a))
-        if v is None:
+    def _available(self, a: fx.Node) -> set[int]:
+        """Spec ids ``a`` can have: its deciding variable's output states (none: undecided)."""
+        try:
+            p, idx = self.producer(a)
+        except AssertionError:
             return set()
-        return {st[1][idx] for st in self.vars[v].states if len(st[1]) > idx}
+        return {st[1][idx] for st in self.vars[self.var_of[p]].states if len(st[1]) > idx}
 
-    def _near_anchor(self, n: fx.Node, raw: list, share: dict, transparent: set) -> list:
+    def _near_anchor(self, n: fx.Node, raw: list) -> list:
         """The states of an anchored search: the anchor's own, and every state whose inputs its
         producers can hand over as they are (no redistribution into it).  The anchor's plan is
         then one of the plans searched, and the solve can only improve on it; the states stay as
@@ -310,7 +310,7 @@ class FactorGraph:
         if rec.input_specs is not None and rec.spec is not None:
             outs = rec.spec if isinstance(rec.spec, tuple) else (rec.spec,)
             mine = (tuple(rec.input_specs), tuple(outs))
-        avail = [self._available(a, share, transparent) for a in tensor_args(n)]
+        avail = [self._available(a) for a in tensor_args(n)]
         keep = [
             st
             for st in raw
@@ -321,7 +321,7 @@ class FactorGraph:
             keep.append(mine)
         return keep or raw
 
-    def _strided_inputs(self, targs, cur, share: dict, transparent: set) -> list[list]:
+    def _strided_inputs(self, targs, cur) -> list[list]:
         """Input placements to ask the op's rule about beyond replicated ones: rules enumerate
         their strategies from the inputs' current placements, and a strided shard (a view that
         merges a sharded dim into an unsharded outer one: heads into batch * heads before an eager
@@ -329,7 +329,7 @@ class FactorGraph:
         strided placement the producers can give: every input that can have it takes it."""
         options = []
         for a in targs:
-            ids = self._available(a, share, transparent) if isinstance(a, fx.Node) else set()
+            ids = self._available(a) if isinstance(a, fx.Node) else set()
             options.append(
                 {
                     self.specs[i].placements: self.specs[i]
@@ -350,6 +350,7 @@ class FactorGraph:
             share, self.report.shared_layers = shared_nodes(gm, self.blocks)
         self.provenance: dict[int, str] = {}
         transparent, shared = set(), []
+        self.share, self.transparent = share, transparent  # filled in as the graph is read
         self._order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for n in gm.graph.nodes:
             rec = info(n)
@@ -380,7 +381,7 @@ class FactorGraph:
                         f"{tuple(n.meta['val'].shape)} evenly on mesh {self.mesh.shape}"
                     )
                 if self.anchored:
-                    avail = self._available(n.args[0], share, transparent)
+                    avail = self._available(n.args[0])
                     opts = [s for s in opts if s == rec.spec or self.spec_id.get(s) in avail]
                 v = self._new_var(n, [((self.sid(s),), (self.sid(s),)) for s in opts])
                 self.provenance[v] = f"{want[1]} ({tag.split(':', 1)[1]})" + (
@@ -388,9 +389,9 @@ class FactorGraph:
                 )
                 rec.module = tag.split(":")[0]
             else:
-                raw, prov = self._op_states(n, share, transparent)
+                raw, prov = self._op_states(n)
                 if self.anchored:
-                    raw = self._near_anchor(n, raw, share, transparent)
+                    raw = self._near_anchor(n, raw)
                 states = [
                     (
                         tuple(self.sid(s) for s in ins),
@@ -400,14 +401,12 @@ class FactorGraph:
                 ]
                 v = self._new_var(n, states)
                 self.provenance[v] = prov
-        self.share = share
         for (
             n
         ) in shared:  # later layers (and their backward, which runs first) take the first layer's
             v = self.var_of[share[n]]
             self.var_of[n] = v
             self.vars[v].nodes.append(n)
-        self.transparent = transparent
         t1 = time.perf_counter()
         comp = {}
         for var in self.vars:
