@@ -631,3 +631,108 @@ def control_flow_op(node) -> str | None:
         name = getattr(target, "__name__", str(target))
         return name if name in _CONTROL_FLOW else None
     return None
+
+
+# ---- DTensor at program boundaries --------------------------------------------------------------
+def is_dtensor(x: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def dtensor_layout(dt) -> tuple[tuple, dict | None]:
+    """(placements, shard order ``{tensor dim: mesh dims}`` or None for the default) of a DTensor.
+    ``_StridedShard`` placements that only encode a shard order (DTensor's default reading) come
+    back as plain ``Shard`` + that order; genuinely strided ones (a view's) stay strided."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    spec = dt._spec
+    plc = tuple(spec.placements)
+    if any(isinstance(p, _StridedShard) for p in plc):
+        if spec.use_strided_shard_as_shard_order:
+            order = DTensorSpec._maybe_convert_StridedShard_to_shard_order(plc, spec.mesh)
+            if order is not None:
+                plain = tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in plc)
+                return plain, {e.tensor_dim: tuple(e.mesh_dims) for e in order}
+        return plc, None
+    order = spec.shard_order
+    return plc, ({e.tensor_dim: tuple(e.mesh_dims) for e in order} if order else None)
+
+
+def dtensor_local(dt) -> torch.Tensor:
+    """A DTensor's local tensor: ``to_local()`` (differentiable) where autograd records, else the
+    tensor itself (``to_local`` is an autograd Function: ~20 us a call on a decode step's path)."""
+    if torch.is_grad_enabled() and dt.requires_grad:
+        return dt.to_local()
+    return dt._local_tensor
+
+
+def make_dtensor(
+    local: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shard_order: dict | None,
+    shape: Sequence[int],
+):
+    """A DTensor of global ``shape`` (contiguous strides) over this rank's ``local`` shard, no
+    communication.  A non-default shard order is spelled as DTensor's own encoding of it
+    (``_StridedShard`` placements): torch's ops and its to_local/from_local backward keep that,
+    where they drop a ``shard_order`` field.  Where autograd records (``local`` requires grad)
+    through ``DTensor.from_local``, its gradient asked for in exactly these placements (Partial
+    ones included: each rank's share of the incoming gradient); otherwise through DTensor's
+    constructor with a cached spec.  Genuinely strided shards (a view's) have no differentiable
+    spelling: refused under autograd."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry
+
+    plc = tuple(placements)
+    strided = any(isinstance(p, _StridedShard) for p in plc)
+    order = tuple(sorted((d, tuple(ms)) for d, ms in (shard_order or {}).items() if ms))
+    if order and not strided:
+        entries = tuple(ShardOrderEntry(d, ms) for d, ms in order)
+        if not DTensorSpec.is_default_device_order(entries):
+            plc = tuple(DTensorSpec._convert_shard_order_to_StridedShard(entries, plc, device_mesh))
+    if torch.is_grad_enabled() and local.requires_grad:
+        if strided:
+            raise NotImplementedError(
+                f"a DTensor output with genuinely strided placements {plc} under autograd: "
+                "DTensor.from_local reads _StridedShard as a shard order; ask for other "
+                "placements (output_placements) or run under torch.no_grad()"
+            )
+        stride = torch.empty(tuple(shape), device="meta").stride()
+        return DTensor.from_local(
+            local,
+            device_mesh,
+            plc,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=stride,
+            grad_placements=plc,
+        )
+    spec = _dtensor_spec(device_mesh, plc, strided, tuple(shape), local.dtype)
+    return DTensor(local, spec, requires_grad=False)
+
+
+_SPECS: dict = {}
+
+
+def _dtensor_spec(device_mesh, plc, strided, shape, dtype):
+    """DTensor's spec for ``plc`` (``strided``: genuinely strided shards; otherwise any
+    ``_StridedShard`` in ``plc`` encodes a shard order), cached per mesh (a small cache: a
+    decode step wraps the same few specs every call)."""
+    key = (id(device_mesh), plc, strided, shape, dtype)
+    hit = _SPECS.get(key)
+    if hit is not None and hit[0] is device_mesh:
+        return hit[1]
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    stride = torch.empty(shape, device="meta").stride()
+    tm = TensorMeta(torch.Size(shape), stride, dtype)
+    if strided:
+        spec = DTensorSpec(device_mesh, plc, tm, use_strided_shard_as_shard_order=False)
+    else:
+        spec = DTensorSpec(device_mesh, plc, tm)
+    if len(_SPECS) > 1024:
+        _SPECS.clear()
+    _SPECS[key] = (device_mesh, spec)
+    return spec

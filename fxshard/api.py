@@ -34,7 +34,8 @@ from .capture.common import ModelSnapshot
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
-from .ir import NodeKind, info
+from .core.spec import ShardingSpec
+from .ir import INPUT, NodeKind, info
 from .passes.redistribute import insert_redistributes
 from .placement import greedy
 from .placement.auto import AutoInfeasible, AutoOptions, annotate_auto
@@ -139,7 +140,7 @@ def _check_placements(mesh, input_placements, output_placements) -> None:
     ):
         if pls is not None:
             for i, p in enumerate(pls):
-                if p is not None and len(tuple(p)) != mesh.ndim:
+                if p is not None and not isinstance(p, ShardingSpec) and len(tuple(p)) != mesh.ndim:
                     raise ValueError(
                         f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
                         f"{mesh.shape}; give one placement per mesh dim"
@@ -408,17 +409,38 @@ def shard_dynamo_graph(
     sources: Sequence | None = None,
     training: bool = False,
     num_outputs: int = 1,
+    output_placements: Sequence | None = None,
+    arg_specs: dict | None = None,
     auto_options: AutoOptions | None = None,
 ) -> ShardedProgram:
     """A dynamo graph sharded for this call's arguments (the ``torch.compile`` backend): captured
-    (the joint forward+backward under autograd), annotated with every output handed back
-    replicated (the global values), redistributed."""
+    (the joint forward+backward under autograd), annotated, redistributed.  Outputs are handed back
+    replicated (the global values) unless ``output_placements`` says otherwise per output (None:
+    the program's own placement, reduced); ``arg_specs`` ({argument index: ShardingSpec}) fixes the
+    placements of DTensor arguments (user inputs only)."""
     c = capture_dynamo_graph(gm, args, constraints.hooked, roots, sources, training=training)
     c = dataclasses.replace(c, config=config, constraints=constraints)
-    replicated = (Replicate(),) * config.mesh.ndim
+    if output_placements is None:
+        output_placements = [(Replicate(),) * config.mesh.ndim] * num_outputs
+    input_placements = None
+    if arg_specs:
+        input_placements = [None] * c.num_inputs
+        for p in c.gm.graph.nodes:
+            if p.op != "placeholder" or info(p).arg_index not in arg_specs:
+                continue
+            rec = info(p)
+            if rec.kind != INPUT:
+                raise NotImplementedError(
+                    f"fxshard backend: argument {rec.arg_index} ({rec.fqn}) is a DTensor "
+                    f"{rec.kind}: the backend shards plain parameters by its plan; compile a model "
+                    "with plain parameters (or use fxshard.parallelize, whose parameters are "
+                    "DTensors)"
+                )
+            input_placements[rec.input_index] = arg_specs[rec.arg_index]
     annotate(
         c,
-        output_placements=[replicated] * num_outputs,
+        input_placements=input_placements,
+        output_placements=output_placements,
         auto_options=auto_options if constraints.auto else None,
     )
     redistribute(c)

@@ -8,6 +8,20 @@ shard locally, no communication), and its outputs are handed back replicated, i.
 values, so whatever runs between graphs (a graph break) sees exactly what the single-device program
 would.
 
+DTensors cross the boundary without communication (``fxshard.runtime.boundary``): a DTensor
+argument's placements and shard order are its input's placements and its local tensor is the
+program's input shard; with ``outputs="dtensor"`` every output comes back as a DTensor of the
+placement the program produced (pending reductions finished), and ``output_placements`` (one entry
+per output, None: the program's own) asks for given placements, also as DTensors.  So a value
+that crosses a graph break stays sharded, and a KV cache handed back and in stays heads-sharded.
+Under autograd a DTensor input's gradient is a DTensor placed like it; DTensor outputs of a
+training graph are replicated unless ``output_placements`` says otherwise.  Dynamo traces a frame
+that takes DTensors with DTensor's own semantics: where a DTensor meets the model's plain
+parameters, run the calls under torch's
+``torch.distributed.tensor.experimental.implicit_replication()`` (plain tensors count as
+replicated), and every op the frame runs on DTensors needs a DTensor rule for dynamo to trace it
+(fxshard then plans the graph itself).  Uneven DTensor arguments are gathered at entry (logged).
+
 Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
 first call, with the call's concrete shapes: recompiles on new shapes work, and dynamo's dynamic
 shapes are specialised per signature rather than compiled symbolically.  Parameters are sliced to
@@ -25,7 +39,8 @@ debugging), ``simulate`` (True: run every rank in this process with exact collec
 are the global values; no process group needed), ``agreement`` (``fxshard.AgreementOptions``:
 how the ranks check, on each graph's first calls, that they run one program on the same inputs
 and parameters; see ``fxshard.runtime.agree``), ``search`` (``"global"``, the default: the
-placements the plan leaves free are chosen by one solve over the graph; ``"greedy"``: op by op).
+placements the plan leaves free are chosen by one solve over the graph; ``"greedy"``: op by op),
+``outputs`` (``"global"``, the default, or ``"dtensor"``), ``output_placements``.
 """
 
 from __future__ import annotations
@@ -41,14 +56,31 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import api
-from ._torch import calling_modules, dynamo_frame_locals, placeholder_source, tensor_version
+from ._torch import (
+    Replicate,
+    calling_modules,
+    dynamo_frame_locals,
+    is_dtensor,
+    placeholder_source,
+    tensor_version,
+)
 from .capture import dynamo_sources, source_fqn
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
+from .core.spec import ShardingSpec
 from .ir import INPUT, STATE_KINDS, TANGENT, info
 from .passes.lower import local_shape
 from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
+from .runtime.boundary import (
+    OUTPUTS,
+    as_program_arg,
+    check_mesh,
+    local_arg,
+    spec_of,
+    standin,
+    wrap_output,
+)
 from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraining
 
 log = logging.getLogger("fxshard")
@@ -66,6 +98,8 @@ OPTIONS = (
     "auto_options",
     "agreement",
     "search",
+    "outputs",
+    "output_placements",
 )
 
 
@@ -85,6 +119,8 @@ class BackendOptions:
     auto_options: object = None  # fxshard.AutoOptions, with plan="auto" (or a "*": "auto" entry)
     agreement: AgreementOptions | None = None  # how the ranks check they run one program
     search: str = DEFAULT_SEARCH  # how the placements the plan leaves free are chosen (or "greedy")
+    outputs: str = "global"  # "dtensor": outputs come back as DTensors, not gathered
+    output_placements: Sequence | None = None  # per output: these placements, as a DTensor
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -124,6 +160,20 @@ class BackendOptions:
             )
         if opts.fuse is not None:
             opts.multi_dim_collectives = api._multi_dim(opts.multi_dim_collectives, opts.fuse)
+        if opts.outputs not in OUTPUTS:
+            raise ValueError(
+                f"fxshard backend: outputs must be one of {list(OUTPUTS)}, got {opts.outputs!r}"
+            )
+        if (opts.outputs == "dtensor" or opts.output_placements is not None) and opts.simulate:
+            raise ValueError(
+                "fxshard backend: DTensor outputs (outputs='dtensor', output_placements) need a "
+                "DeviceMesh and a process group; simulate=True hands back global values"
+            )
+        if opts.output_placements is not None:
+            opts.output_placements = [
+                p if p is None or isinstance(p, ShardingSpec) else tuple(p)
+                for p in opts.output_placements
+            ]
         if opts.agreement is not None and not isinstance(opts.agreement, AgreementOptions):
             raise TypeError(
                 "fxshard backend: agreement must be fxshard.AgreementOptions(check_calls=..., "
@@ -248,16 +298,72 @@ class ShardedGraph:
         self.programs: list = []  # every ShardedProgram built (debugging: explain())
 
     def _key(self, args):
+        mesh = self.opts.mesh_spec if not self.opts.simulate else None
         return tuple(
             (
-                (tuple(a.shape), a.dtype, a.device, a.item() if i in self.baked else None)
+                (
+                    tuple(a.shape),
+                    a.dtype,
+                    a.device,
+                    a.item() if i in self.baked else None,
+                    spec_of(a, mesh) if is_dtensor(a) else None,
+                )
                 if isinstance(a, torch.Tensor)
                 else (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
             )
             for i, a in enumerate(args)
         )
 
+    def _program_args(self, args):
+        """DTensor arguments checked against the program's mesh (uneven ones made global)."""
+        if not any(is_dtensor(a) for a in args):
+            return args
+        if self.opts.simulate:
+            raise ValueError(
+                "fxshard backend: DTensor arguments need a DeviceMesh and a process group; "
+                "simulate=True takes global tensors (pass x.full_tensor())"
+            )
+        mesh = self.opts.mesh_spec
+        out = []
+        for i, a in enumerate(args):
+            if is_dtensor(a):
+                what = f"argument {i} of the graph ({self.sources[i] or 'an input'})"
+                check_mesh(a, self.opts.mesh, what)
+                a = as_program_arg(a, mesh, what)
+            out.append(a)
+        return tuple(out)
+
+    def _output_placements(self) -> list:
+        """Per output: the placements asked for, None where the program's own (reduced) placement
+        is handed back as a DTensor, replicated where a global tensor is."""
+        given = list(self.opts.output_placements or ())
+        replicated = (Replicate(),) * self.opts.mesh_spec.ndim
+        out = []
+        for k in range(self.num_outputs):
+            g = given[k] if k < len(given) else None
+            if g is None and self.opts.outputs == "global":
+                g = replicated
+            out.append(g)
+        return out
+
+    def _as_dtensor(self, k: int) -> bool:
+        given = self.opts.output_placements or ()
+        return self.opts.outputs == "dtensor" or (k < len(given) and given[k] is not None)
+
+    def _wrap_outputs(self, prog, flat: list) -> list:
+        """User outputs asked for as DTensors wrapped (this rank's shard, the program's spec)."""
+        if self.opts.outputs != "dtensor" and not self.opts.output_placements:
+            return flat
+        specs = [s for r, s in zip(prog.output_roles(), prog.output_specs) if r.kind == "output"]
+        return [
+            wrap_output(v, self.opts.mesh, specs[k])
+            if k < len(specs) and self._as_dtensor(k) and isinstance(v, torch.Tensor)
+            else v
+            for k, v in enumerate(flat)
+        ]
+
     def __call__(self, *args):
+        args = self._program_args(args)
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
         training = torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -271,6 +377,13 @@ class ShardedGraph:
 
     def _build(self, args, training=False):
         opts = self.opts
+        # DTensor arguments: their specs are their placeholders', their global shapes are captured
+        dt_specs = {
+            i: spec_of(a, opts.mesh_spec, f"argument {i}")
+            for i, a in enumerate(args)
+            if is_dtensor(a)
+        }
+        args = tuple(standin(a) if i in dt_specs else a for i, a in enumerate(args))
         # the batch is the leading dim of the first user input; other inputs (rope tables handed to
         # a layer's frame after a graph break, masks) stay replicated on the data-parallel dims
         first = next(
@@ -301,12 +414,13 @@ class ShardedGraph:
             roots=self.roots,
             sources=self.sources,
             training=training,
-            num_outputs=self.num_outputs,
+            output_placements=self._output_placements(),
+            arg_specs=dt_specs,
             auto_options=opts.auto_options,
         )
         self.programs.append(prog)
         if training:
-            return self._training_entry(prog, args)
+            return self._training_entry(prog, dt_specs)
         arg_index = [info(p).arg_index for p in prog.placeholders]
         # buffers the forward updates in place: their new (global) values are extra outputs
         updated = {
@@ -334,9 +448,11 @@ class ShardedGraph:
                     t = a[i]
                     if kind in STATE_KINDS:
                         local.append(self._cached_shard(i, t, spec, compiled))
+                    elif i in dt_specs:
+                        local.append(local_arg(t, spec, compiled.coord_ints, f"argument {i}"))
                     else:
                         local.append(compiled.local_of(t, spec))
-                return write_back(a, compiled.run_local(local))
+                return self._wrap_outputs(prog, write_back(a, compiled.run_local(local)))
 
         return run
 
@@ -352,13 +468,18 @@ class ShardedGraph:
                 inputs.append((f"input {p.name}", rec.arg_index))
 
         def check(a):
+            # DTensor arguments differ across ranks by design (their spec is in the signature)
             if agreement.active:
-                agreement.check({n: a[i] for n, i in inputs}, {f: a[i] for f, i in state})
+                agreement.check(
+                    {n: a[i] for n, i in inputs if not is_dtensor(a[i])},
+                    {f: a[i] for f, i in state},
+                )
 
         return check
 
-    def _training_entry(self, prog, args):
-        """An autograd-aware runner: the arguments that require grad get global gradients."""
+    def _training_entry(self, prog, dt_specs):
+        """An autograd-aware runner: the arguments that require grad get global gradients (DTensor
+        arguments: DTensor gradients placed like them)."""
         primals = [p for p in prog.placeholders if info(p).kind != TANGENT]
         index = [info(p).arg_index for p in primals]
         if self.opts.simulate:
@@ -374,6 +495,8 @@ class ShardedGraph:
             for i, kind, spec, t in zip(index, kinds, compiled.primal_specs, global_args):
                 if kind in STATE_KINDS:
                     out.append(self._cached_shard(i, t, spec, compiled))
+                elif i in dt_specs:  # a DTensor's local tensor, taken outside the Function
+                    out.append(t)
                 else:
                     out.append(compiled.local_of(t, spec))
             return out
@@ -387,11 +510,21 @@ class ShardedGraph:
         )
         check = self._agreement(prog, compiled.agreement)
 
+        specs = compiled.primal_specs
+
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):
                 check(a)
-                outs = compiled.apply([a[i] for i in index])
-                return list(outs) if isinstance(outs, tuple) else [outs]
+                # a DTensor's to_local() is differentiable: its gradient comes back as a DTensor
+                outs = compiled.apply(
+                    [
+                        local_arg(a[i], s, compiled.coord_ints, f"argument {i}")
+                        if i in dt_specs
+                        else a[i]
+                        for i, s in zip(index, specs)
+                    ]
+                )
+                return self._wrap_outputs(prog, list(outs) if isinstance(outs, tuple) else [outs])
 
         return run
 

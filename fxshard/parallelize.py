@@ -1,14 +1,20 @@
 """Local-shard modules: ``fxshard.parallelize(model, device_mesh, plan)``.
 
-The returned module's parameters are this rank's shards only (plain tensors of local shape, so
-``torch.optim`` works on them unchanged).  A model built on the ``meta`` device is materialised one
-parameter at a time, so a model too large for one rank fits; its values then come from
-``load_full_state_dict`` (streamed: one global tensor at a time) or an ``init_fn``.
+The returned module's parameters and buffers are DTensors: this rank's shard plus its placements
+(replicated ones included), so ``state_dict()`` is a DTensor state dict that
+``torch.distributed.checkpoint`` saves and loads (also into / from a torch ``parallelize_module``
+model with the same plan: the keys are the model's own FQNs), and torch optimizers and
+``clip_grad_norm_`` run on them as on any DTensor model.  A model built on the ``meta`` device is
+materialised one parameter at a time, so a model too large for one rank fits; its values then come
+from ``load_full_state_dict`` (streamed: one global tensor at a time), DCP, or an ``init_fn``.
 
 Calling the module captures the model (on fake tensors: no memory) for the input shapes at hand,
 shards it with the same plan, compiles the per-rank program with Inductor and runs it on the local
 shards. Inputs are the global values (every rank passes the same); outputs are this rank's shards of
-the results (``output_specs``), i.e. the global values for replicated outputs.
+the results (``output_specs``), i.e. the global values for replicated outputs, or, with
+``outputs="dtensor"``, DTensors of those specs (no gather): a KV cache handed back and in stays
+sharded across calls (``zoo.CachedLlama``).  Buffers the forward updates in place are updated in
+their own shards (placed as the plan says, replicated where it names none).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import api
-from ._torch import Replicate, fake_mode, set_module_tensor
+from ._torch import Replicate, dtensor_local, fake_mode, is_dtensor, set_module_tensor
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
@@ -34,6 +40,7 @@ from .placement.problem import PlacementProblem
 from .planner import plan_between
 from .planner.execute import execute_plan, group_names
 from .runtime.agree import Agreement, AgreementOptions, fail_together
+from .runtime.boundary import OUTPUTS, as_program_arg, check_mesh, local_arg, spec_of, wrap_output
 from .runtime.compiled import CompiledProgram, CompiledTraining, device_of, input_values
 
 
@@ -58,8 +65,12 @@ class ParallelModule(nn.Module):
         init_fn: Callable | None = None,
         agreement: AgreementOptions | None = None,
         search: str = DEFAULT_SEARCH,
+        outputs: str = "global",
     ):
         super().__init__()
+        if outputs not in OUTPUTS:
+            raise ValueError(f"fxshard.parallelize: outputs must be one of {list(OUTPUTS)}")
+        self.outputs = outputs
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -95,6 +106,7 @@ class ParallelModule(nn.Module):
         self.coord = tuple(int(c) for c in coord)
         self.constraints = resolve_plan(plan, model, self.mesh, tp_dim)
         self.specs: dict = {}  # fqn -> global ShardingSpec of every parameter and buffer
+        self._owners: dict = {}  # fqn -> (owning module, attribute name)
         self.warnings: list[str] = []
         self.uninitialised: set[str] = set()
         self._materialise(init_fn)
@@ -130,6 +142,7 @@ class ParallelModule(nn.Module):
                 else:
                     local = spec.local_of(t.detach().to(self.device), self.coord).clone()
             owner, name = _owner(model, fqn)
+            local = wrap_output(local, self.device_mesh, spec)  # the shard as a DTensor
             if is_param:
                 local = nn.Parameter(local, requires_grad=t.requires_grad)
                 setattr(owner, name, local)
@@ -196,8 +209,23 @@ class ParallelModule(nn.Module):
                 self.uninitialised.discard(fqn)
 
     def _local(self, fqn: str) -> torch.Tensor:
-        owner, name = _owner(self.module, fqn)
-        return getattr(owner, name)
+        """This rank's shard of a parameter / buffer (``to_local()``: under autograd its gradient
+        flows back to the DTensor parameter, placed like it)."""
+        hit = self._owners.get(fqn)
+        if hit is None:
+            hit = self._owners[fqn] = _owner(self.module, fqn)
+        t = getattr(*hit)
+        return dtensor_local(t) if is_dtensor(t) else t
+
+    def state_dict(self, *args, **kwargs):
+        """The model's DTensor state dict under its own FQNs (no ``module.`` prefix), as torch's
+        ``parallelize_module`` model's: checkpoints of either load into the other."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        out = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self.uninitialised -= set(state_dict)
+        return out
 
     def local_bytes(self) -> int:
         """Bytes of parameters and buffers this rank holds."""
@@ -239,12 +267,16 @@ class ParallelModule(nn.Module):
                     f"other arguments in the module"
                 )
         # what the captured program depends on besides shapes: which parameters train, and each
-        # submodule's train/eval mode (dropout, norms)
+        # submodule's train/eval mode (dropout, norms); DTensor inputs: their specs
+        given = [
+            spec_of(x, self.mesh, f"input {i}") if is_dtensor(x) else None
+            for i, x in enumerate(inputs)
+        ]
         key = (
             training,
             tuple(p.requires_grad for p in self.module.parameters()),
             tuple(m.training for m in self.module.modules()),
-            *((tuple(x.shape), x.dtype, x.requires_grad) for x in inputs),
+            *((tuple(x.shape), x.dtype, x.requires_grad, g) for x, g in zip(inputs, given)),
         )
         hit = self._programs.get(key)
         if hit is not None:
@@ -265,6 +297,7 @@ class ParallelModule(nn.Module):
                 self.mesh,
                 self.plan,
                 example_inputs=meta_inputs,
+                input_placements=given if any(g is not None for g in given) else None,
                 tp_dim=self.tp_dim,
                 training=training,
                 **self.options,
@@ -305,16 +338,21 @@ class ParallelModule(nn.Module):
                 f"fxshard.parallelize: {len(self.uninitialised)} tensors of the meta-built model "
                 "have "
                 f"no values yet (e.g. {sorted(self.uninitialised)[:3]}); call "
-                f"load_full_state_dict(...) or pass init_fn= to parallelize"
+                "load_full_state_dict(...), or load_state_dict(sd) after "
+                "torch.distributed.checkpoint.load(sd := pm.state_dict(), ...), or pass init_fn= "
+                "to parallelize"
             )
         training = torch.is_grad_enabled() and (
             any(p.requires_grad for p in self.parameters())
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
         )
+        inputs = tuple(self._program_input(i, x) for i, x in enumerate(inputs))
         prog, compiled = self.program_for(*inputs, training=training)
         with fail_together(f"the sharded program of {prog.name}"):
-            # the shards differ across ranks by design: the ranks compare the inputs only
-            compiled.agreement.check(input_values(prog, inputs))
+            # the shards differ across ranks by design: the ranks compare the (global) inputs only
+            compiled.agreement.check(
+                {k: v for k, v in input_values(prog, inputs).items() if not is_dtensor(v)}
+            )
             args = []
             for p in prog.placeholders:
                 rec = info(p)
@@ -322,18 +360,41 @@ class ParallelModule(nn.Module):
                     args.append(self._local(rec.fqn))
                 elif rec.kind == INPUT:
                     x = inputs[rec.input_index]
-                    args.append(rec.spec.local_of(x.to(self.device), self.coord))
+                    if is_dtensor(x):  # its shard as it is (to_local: differentiable)
+                        args.append(local_arg(x, rec.spec, self.coord, f"input {rec.input_index}"))
+                    else:
+                        args.append(rec.spec.local_of(x.to(self.device), self.coord))
             if training:
                 outs = compiled.apply(args)
-                return prog.restructure(list(outs) if isinstance(outs, tuple) else [outs])
+                return prog.restructure(
+                    self._wrap(prog, list(outs) if isinstance(outs, tuple) else [outs])
+                )
             local = {r.what: self._local(r.what) for r in prog.output_roles() if r.kind == "mutate"}
-            return prog.restructure(prog.apply_updates(compiled.run_local(args), local))
+            return prog.restructure(
+                self._wrap(prog, prog.apply_updates(compiled.run_local(args), local))
+            )
+
+    def _program_input(self, i: int, x):
+        if not is_dtensor(x):
+            return x
+        check_mesh(x, self.device_mesh, f"input {i}")
+        return as_program_arg(x, self.mesh, f"input {i}")
+
+    def _wrap(self, prog, flat: list) -> list:
+        if self.outputs != "dtensor":
+            return flat
+        specs = [s for r, s in zip(prog.output_roles(), prog.output_specs) if r.kind == "output"]
+        return [
+            wrap_output(v, self.device_mesh, s) if isinstance(v, torch.Tensor) else v
+            for v, s in zip(flat, specs)
+        ]
 
 
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs) -> ParallelModule:
     """``model`` with every parameter replaced by this rank's shard (see the module docstring).
 
     ``kwargs``: ``tp_dim``, ``multi_dim_collectives``, ``bucket_bytes``, ``cost_model``, ``search``,
+    ``outputs`` (``"dtensor"``: outputs are DTensors of the program's placements, not gathered),
     ``inductor`` (False: run the per-rank graph eagerly), ``init_fn(fqn, local_tensor, spec)``
     (fills shards of a meta-built model), ``agreement`` (``fxshard.AgreementOptions``: where the
     ranks' models differ, rank ``src_data_rank``'s values are sharded; the first calls of each

@@ -189,6 +189,65 @@ class GraphBreakLlama(Llama):
         return self.output(self.norm(h))
 
 
+class CachedLlama(Llama):
+    """Llama that decodes with a static KV cache it is handed and hands back (HF's StaticCache
+    layout: per layer a key and a value tensor of (batch, kv heads, max_seq_len, head dim)).  A call
+    writes its tokens' keys and values at positions ``pos`` and attends to every cached position up
+    to its own: a prefill (``pos = arange(s)``) and then one token per call (``pos = [t]``) run two
+    programs, whatever the step.  Same parameters and FQNs as ``Llama``: its plans apply."""
+
+    def new_cache(self, batch: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        cfg = self.cfg
+        shape = (batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.dim // cfg.n_heads)
+        return [torch.zeros(shape, dtype=dtype) for _ in range(2 * cfg.n_layers)]
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, *cache: torch.Tensor):
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        new = []
+        for i, layer in enumerate(self.layers):
+            a, k, v = _attend_cached(
+                layer.attention, layer.attention_norm(h), cos, sin, pos, *cache[2 * i : 2 * i + 2]
+            )
+            h = h + a
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+            new += [k, v]
+        return (self.output(self.norm(h)), *new)
+
+
+def _attend_cached(attn: Attention, x, cos, sin, pos, k_cache, v_cache):
+    b, s, _ = x.shape
+    q = attn.wq(x).view(b, s, -1, attn.head_dim)
+    k = attn.wk(x).view(b, s, -1, attn.head_dim)
+    v = attn.wv(x).view(b, s, -1, attn.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache = k_cache.index_copy(2, pos, k.transpose(1, 2))
+    v_cache = v_cache.index_copy(2, pos, v.transpose(1, 2))
+    rep = attn.n_heads // attn.n_kv_heads
+    keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
+    values = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
+    visible = torch.arange(k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible)
+    return attn.wo(o.transpose(1, 2).reshape(b, s, -1)), k_cache, v_cache
+
+
+def greedy_decode(step, model: CachedLlama, prompt: torch.Tensor, new_tokens: int, cache=None):
+    """Greedy decoding with ``step(tokens, pos, *cache) -> (logits, *cache)`` (the model, or a
+    compiled / parallelized form of it): the prompt in one call, then one token per call.  Returns
+    the generated tokens (batch, new_tokens) and the last cache."""
+    b, s = prompt.shape
+    cache = model.new_cache(b) if cache is None else cache
+    logits, *cache = step(prompt, torch.arange(s), *cache)
+    out = []
+    for t in range(new_tokens):
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        tok = logits[:, -1:].argmax(-1)
+        out.append(tok)
+        if t + 1 < new_tokens:
+            logits, *cache = step(tok, torch.tensor([s + t]), *cache)
+    return torch.cat(out, dim=1), cache
+
+
 class ConvNet(nn.Module):
     def __init__(self, channels: int = 8, classes: int = 10):
         super().__init__()
@@ -216,6 +275,9 @@ def example_input(
     model: nn.Module, batch: int = 4, seq: int = 8, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, ...]:
     g = generator
+    if isinstance(model, CachedLlama):  # a prefill: tokens, their positions, an empty cache
+        tokens = torch.randint(0, model.cfg.vocab_size, (batch, seq), generator=g)
+        return (tokens, torch.arange(seq), *model.new_cache(batch))
     if isinstance(model, Llama):
         return (torch.randint(0, model.cfg.vocab_size, (batch, seq), generator=g),)
     if isinstance(model, ConvNet):

@@ -109,7 +109,7 @@ def parallelize_meta(rank, world, tp):
         peak=peak,
         total=total,
         roundtrip=same,
-        n_params=sum(p.numel() for p in pm.parameters()),
+        n_params=sum(p.to_local().numel() for p in pm.parameters()),
     )
 
 
@@ -315,3 +315,263 @@ def one_rank_dies(rank, world):
     if rank == 1:
         os._exit(3)
     raise ValueError("rank 0's own error")
+
+
+# ---- DTensor at program boundaries (tests/test_dtensor.py) ---------------------------------------
+def _kinds(progs) -> list[list[str]]:
+    return [[c.kind for c in p.collectives()] for p in progs]
+
+
+def _compiled_since(n0):
+    from fxshard.backend import compiled_programs
+
+    return compiled_programs()[n0:]
+
+
+def dtensor_backend(rank, world):
+    """torch.compile(backend="fxshard") on DTensor arguments and with DTensor outputs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from fxshard.backend import compiled_programs
+
+    torch.manual_seed(0)
+    dm = init_device_mesh("cpu", (world,))
+    out = {}
+    x = torch.randn(8, 6)
+    # elementwise on a Shard(0) DTensor: no collective, a Shard(0) DTensor back
+    n0 = len(compiled_programs())
+    f = torch.compile(
+        lambda t: torch.relu(t) * 2 + 1,
+        backend="fxshard",
+        options={"mesh": dm, "plan": {}, "outputs": "dtensor"},
+    )
+    y = f(distribute_tensor(x, dm, [Shard(0)]))
+    out["elementwise"] = dict(
+        type=type(y).__name__,
+        placements=y.placements,
+        local_shape=tuple(y.to_local().shape),
+        collectives=_kinds(_compiled_since(n0)),
+        err=float((y.full_tensor() - (torch.relu(x) * 2 + 1)).abs().max()),
+    )
+    # a DTensor sharded on its last dim into a rowwise layer: its shard is the layer's input shard
+    torch._dynamo.reset()
+    mlp = zoo.init_weights(zoo.MLP(dim=6, hidden=8), seed=1)
+    h = torch.relu(mlp.fc1(x)).detach()
+    n0 = len(compiled_programs())
+    g = torch.compile(
+        nn.Sequential(mlp.fc2),
+        backend="fxshard",
+        options={"mesh": dm, "plan": {"0": RowwiseParallel()}},
+    )
+    # the eager model mixes plain parameters with a DTensor: DTensor's implicit replication lets
+    # dynamo trace it (fxshard then plans the graph on global values)
+    with torch.no_grad(), implicit_replication():
+        y = g(distribute_tensor(h, dm, [Shard(1)]))
+    out["rowwise_input"] = dict(
+        type=type(y).__name__,
+        collectives=_kinds(_compiled_since(n0)),
+        err=float((y - mlp.fc2(h)).detach().abs().max()),
+    )
+    # colwise | graph break | rowwise: the break hands a sharded DTensor to the next graph
+    ref = zoo.init_weights(BreakMLP(), seed=2)
+    want = ref(x).detach()
+    results = {}
+    for mode in ("global", "dtensor", "one graph"):
+        torch._dynamo.reset()
+        model = ref if mode != "one graph" else _no_break(ref)
+        opts = {"mesh": dm, "plan": zoo.mlp_plan()}
+        if mode != "global":
+            opts["outputs"] = "dtensor"
+        n0 = len(compiled_programs())
+        cm = torch.compile(model, backend="fxshard", options=opts)
+        with implicit_replication(), torch.no_grad():
+            y = cm(x)
+            y2 = cm(x)  # the second call reuses both programs
+        y = y.full_tensor() if isinstance(y, DTensor) else y
+        results[mode] = dict(
+            collectives=_kinds(_compiled_since(n0)),
+            err=float((y - want).abs().max()),
+            again=_rel(y2.full_tensor() if isinstance(y2, DTensor) else y2, want),
+        )
+    out["graph_break"] = results
+    # training: a DTensor input that requires grad gets a DTensor gradient placed like it
+    torch._dynamo.reset()
+    lin = zoo.init_weights(zoo.MLP(dim=6, hidden=8), seed=3)
+    xr = x.clone().requires_grad_(True)
+    lin(xr).pow(2).sum().backward()
+    dx = distribute_tensor(x, dm, [Shard(0)]).requires_grad_(True)
+    cl = torch.compile(
+        zoo.init_weights(zoo.MLP(dim=6, hidden=8), seed=3),
+        backend="fxshard",
+        options={"mesh": dm, "plan": zoo.mlp_plan(), "outputs": "dtensor"},
+    )
+    with implicit_replication():
+        loss = cl(dx)
+        loss.pow(2).sum().backward()
+    out["train"] = dict(
+        grad_type=type(dx.grad).__name__,
+        grad_placements=dx.grad.placements,
+        err=float((dx.grad.full_tensor() - xr.grad).abs().max()),
+    )
+    _ = Replicate
+    return out
+
+
+class BreakMLP(nn.Module):
+    """Colwise fc1, then a graph break, then rowwise fc2."""
+
+    def __init__(self, dim: int = 6, hidden: int = 8, brk: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.brk = brk
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.brk:
+            zoo._eager_step()
+        return self.fc2(h)
+
+
+def _no_break(m: BreakMLP) -> BreakMLP:
+    import copy
+
+    m = copy.deepcopy(m)
+    m.brk = False
+    return m
+
+
+def decode_cache(rank, world, path):
+    """Greedy decoding of zoo.CachedLlama through fxshard.parallelize(outputs="dtensor"), its KV
+    cache handed back and in as DTensors between calls: logits per step vs single device, the
+    cache's placements, and the decode program's collectives (kind, bytes)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    cfg = zoo.LlamaConfig(n_layers=2, max_seq_len=16)
+    ref = zoo.init_weights(zoo.CachedLlama(cfg), seed=0)
+    with torch.no_grad():
+        for p in ref.parameters():  # larger weights: the greedy tokens vary from step to step
+            p.mul_(3)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    steps = 5
+    logged = []
+
+    def logging_step(step):
+        def run(*a):
+            outs = step(*a)
+            lg = outs[0]
+            logged.append(lg.full_tensor() if isinstance(lg, DTensor) else lg)
+            return outs
+
+        return run
+
+    with torch.no_grad():
+        want_tokens, _ = zoo.greedy_decode(logging_step(ref), ref, prompt, steps)
+    want_logits, logged[:] = list(logged), []
+    dm = init_device_mesh("cpu", (world,))
+    out = {}
+    pm = fxshard.parallelize(copy.deepcopy(ref), dm, zoo.megatron_tp_plan(), outputs="dtensor")
+    with torch.no_grad():
+        tokens, cache = zoo.greedy_decode(logging_step(pm), ref, prompt, steps)
+    progs = [p for p, _ in pm._programs.values()]
+    out["parallelize"] = dict(
+        same_tokens=bool(torch.equal(tokens, want_tokens)),
+        err=max(float((a - b).abs().max()) for a, b in zip(logged, want_logits)),
+        cache=[(type(c).__name__, c.placements) for c in cache[:2]],
+        programs=len(progs),
+        decode=[(c.kind, c.bytes) for c in progs[-1].collectives()],
+    )
+    out["varied"] = len(set(want_tokens.flatten().tolist()))
+    return out
+
+
+def dtensor_state(rank, world, path):
+    """fxshard.parallelize's DTensor parameters: state_dict, DCP save / load (same plan, another
+    plan, torch's parallelize_module), an AdamW step with clip_grad_norm_ vs single device."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    cfg = zoo.LlamaConfig()
+    ref = zoo.init_weights(zoo.Llama(cfg), seed=0)
+    x = zoo.example_input(ref, generator=torch.Generator().manual_seed(1))
+    want = ref(*x).detach()
+    dm = init_device_mesh("cpu", (world,))
+    out = {}
+    pm = fxshard.parallelize(copy.deepcopy(ref), dm, zoo.megatron_tp_plan())
+    sd = pm.state_dict()
+    out["state_dict"] = dict(
+        keys_match=sorted(sd) == sorted(ref.state_dict()),
+        all_dtensors=all(isinstance(v, DTensor) for v in sd.values()),
+        wq=sd["layers.0.attention.wq.weight"].placements,
+        wo=sd["layers.0.attention.wo.weight"].placements,
+    )
+    with torch.no_grad():
+        out["forward_err"] = _rel(pm(*x), want)
+    dcp.save(pm.state_dict(), checkpoint_id=f"{path}/fxshard")
+    # the same plan, another seed: loading brings the checkpoint's values back
+    tp = zoo.megatron_tp_plan()
+    other = fxshard.parallelize(zoo.init_weights(zoo.Llama(cfg), seed=7), dm, tp)
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/fxshard")
+    other.load_state_dict(sd)
+    with torch.no_grad():
+        out["reload_err"] = _rel(other(*x), want)
+    # resharded on load: a sequence-parallel plan (other placements) reads the TP checkpoint
+    sp = fxshard.parallelize(
+        zoo.init_weights(zoo.Llama(cfg), seed=8),
+        dm,
+        zoo.sequence_parallel_plan(),
+        outputs="dtensor",  # its logits are vocab-sharded
+    )
+    sd = sp.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/fxshard")
+    sp.load_state_dict(sd)
+    with torch.no_grad():
+        got = sp(*x)
+    out["resharded_err"] = _rel(got.full_tensor() if isinstance(got, DTensor) else got, want)
+    # torch's parallelize_module with the same plan: its checkpoint loads into fxshard and back
+    tm = parallelize_module(zoo.init_weights(zoo.Llama(cfg), seed=0), dm, zoo.megatron_tp_plan())
+    dcp.save(tm.state_dict(), checkpoint_id=f"{path}/torch")
+    mine = fxshard.parallelize(zoo.init_weights(zoo.Llama(cfg), seed=9), dm, tp)
+    sd = mine.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/torch")
+    mine.load_state_dict(sd)
+    theirs = parallelize_module(zoo.init_weights(zoo.Llama(cfg), seed=5), dm, tp)
+    sd = theirs.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/fxshard")
+    theirs.load_state_dict(sd)
+    with torch.no_grad():
+        out["from_torch_err"] = _rel(mine(*x), want)
+        out["into_torch_err"] = _rel(theirs(*x), want)
+    # AdamW (foreach) with clip_grad_norm_ on the DTensor parameters vs single device
+    model = copy.deepcopy(ref)
+    pm = fxshard.parallelize(copy.deepcopy(ref), dm, zoo.megatron_tp_plan())
+    opt_ref = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, foreach=True)
+    norms = []
+    for m, o in ((model, opt_ref), (pm, opt)):
+        for _ in range(2):
+            o.zero_grad()
+            m(*x).float().pow(2).mean().backward()
+            n = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+            norms.append(float(n.full_tensor() if isinstance(n, DTensor) else n))
+            o.step()
+    got = pm.full_state_dict()
+    errs = {k: _rel(got[k], v.detach()) for k, v in model.state_dict().items()}
+    out["adamw"] = dict(
+        rel=max(errs.values()),
+        worst=max(errs, key=errs.get),
+        norms=norms,
+        grad_type=type(next(pm.parameters()).grad).__name__,
+    )
+    return out

@@ -160,6 +160,18 @@ class PlacementProblem:
     def spec(
         self, placements: Sequence, val: torch.Tensor, order: tuple | None = None, what: str = ""
     ) -> ShardingSpec:
+        if isinstance(placements, ShardingSpec):  # given whole (a DTensor's, shard order kept)
+            if (
+                placements.shape != tuple(val.shape)
+                or placements.mesh.shape != self.mesh.shape
+                or placements.dtype != val.dtype
+            ):
+                raise ValueError(
+                    f"{what or 'a value'}: the sharding {placements} is for shape "
+                    f"{placements.shape} ({placements.dtype}) on mesh {placements.mesh.shape}, the "
+                    f"value is {tuple(val.shape)} ({val.dtype}) on {self.mesh.shape}"
+                )
+            return placements
         placements = tuple(normalize(p, val.ndim) for p in placements)
         return ShardingSpec.make(
             self.mesh, placements, tuple(val.shape), val.dtype, order, what=what
@@ -300,7 +312,7 @@ class PlacementProblem:
         """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh
         dim."""
         out = [Replicate()] * self.mesh.ndim
-        if self.cons.dim is None and self.input_placements is None:
+        if self.cons.dim is None:  # no plan: inputs not given (None entries too) are replicated
             return out
         shards = 1
         for m in range(self.mesh.ndim):
@@ -325,6 +337,10 @@ class PlacementProblem:
         pl[self.cons.dim] = normalize(want[0], val.ndim)
         spec = self.spec(pl, val, what=f"parameter {fqn}")
         return PlaceholderOptions(spec, want[1], tuple(m for m in every if m != self.cons.dim))
+
+    def _given_input(self, i: int):
+        given = self.input_placements
+        return given[i] if given is not None and i < len(given) else None
 
     def placeholder_options(self, node: fx.Node) -> PlaceholderOptions:
         rec, val = info(node), node.meta["val"]
@@ -352,11 +368,16 @@ class PlacementProblem:
                     f"input_placements has {len(self.input_placements)} entries, but the program "
                     f"takes input {i} ({node.name})"
                 )
-            return PlaceholderOptions(
-                self.spec(self.input_placements[i], val, what=f"input_placements[{i}]"),
-                f"input_placements[{i}]",
-                (),
-            )
+            given = self.input_placements[i]
+            if isinstance(given, ShardingSpec):  # a DTensor argument's own spec, shard order kept
+                spec = self.spec(given, val, what=f"input {i} ({node.name})")
+                return PlaceholderOptions(spec, f"DTensor input {i}", ())
+            if given is not None:  # None: the default below
+                return PlaceholderOptions(
+                    self.spec(given, val, what=f"input_placements[{i}]"),
+                    f"input_placements[{i}]",
+                    (),
+                )
         pl = self.data_parallel(val)
         hint = None
         for user in node.users:
@@ -444,6 +465,14 @@ class PlacementProblem:
                 # a parameter / buffer updated in place: placed like it (the backend wants its
                 # global value back, as it does gradients)
                 out.append(OutputRequirement("like", None, placeholders[role], role))
+                continue
+            # a DTensor input's gradient: placed like it, partial dims reduced (its to_local()'s
+            # backward labels the gradient so: a Partial input's gradient is the whole gradient)
+            given = self._given_input(role.what) if role.kind == "grad_input" else None
+            if isinstance(given, ShardingSpec):
+                out.append(
+                    OutputRequirement("fixed", self.reduced(given), placeholders.get(role), role)
+                )
                 continue
             # a gradient: like its parameter / input, or handed back global
             if role.kind != "output":

@@ -1,0 +1,101 @@
+"""DTensor at program boundaries: a sharded value outside a compiled program is a DTensor.
+
+A DTensor argument's placements and shard order become its placeholder's ``ShardingSpec`` and its
+local tensor is handed to the per-rank program as it is (no communication); an output asked for as
+a DTensor wraps this rank's local result with the program's spec (no gather).  Even shards of any
+placement and shard order line up with DTensor's layout (both cut blocks in mesh-dim order,
+outermost first); an uneven DTensor argument is made global first (``full_tensor``, logged): the
+per-rank programs pad nothing yet.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._torch import dtensor_layout, dtensor_local, is_dtensor, make_dtensor
+from ..core.mesh import MeshSpec
+from ..core.spec import ShardingSpec, is_even
+
+log = logging.getLogger("fxshard")
+
+OUTPUTS = ("global", "dtensor")
+
+
+def spec_of(dt, mesh: MeshSpec, what: str = "a DTensor argument") -> ShardingSpec:
+    """The ShardingSpec of a DTensor on ``mesh`` (the program's mesh)."""
+    if tuple(dt.device_mesh.shape) != tuple(mesh.shape):
+        raise ValueError(
+            f"{what} lives on a mesh of shape {tuple(dt.device_mesh.shape)}, the program is "
+            f"sharded on {mesh.shape}; redistribute it onto the program's DeviceMesh first"
+        )
+    placements, order = dtensor_layout(dt)
+    return ShardingSpec.make(mesh, placements, tuple(dt.shape), dt.dtype, order, what=what)
+
+
+def check_mesh(dt, device_mesh: DeviceMesh | None, what: str) -> None:
+    if device_mesh is not None and dt.device_mesh != device_mesh:
+        raise ValueError(
+            f"{what} is a DTensor on {dt.device_mesh}, the program runs on {device_mesh}: "
+            "one program takes DTensors of its own DeviceMesh only (redistribute them onto it, or "
+            "pass full_tensor())"
+        )
+
+
+def as_program_arg(x, mesh: MeshSpec, what: str):
+    """A call argument as the program takes it: a DTensor the per-rank program can run on as it is,
+    or a plain (global) tensor.  Uneven DTensors are made global (logged once per layout)."""
+    if not is_dtensor(x):
+        return x
+    spec = spec_of(x, mesh, what)
+    if is_even(spec):
+        return x
+    key = (str(spec), spec.shape)
+    if key not in _UNEVEN_SEEN:
+        _UNEVEN_SEEN.add(key)
+        log.warning(
+            "fxshard: %s is an uneven DTensor (%s of shape %s): gathered to its global value at "
+            "entry (an all-gather per call); per-rank programs on uneven shards are not built yet",
+            what,
+            spec,
+            spec.shape,
+        )
+    return x.full_tensor()
+
+
+_UNEVEN_SEEN: set = set()
+
+
+def local_arg(dt, spec: ShardingSpec, coord, what: str) -> torch.Tensor:
+    """This rank's local tensor of a DTensor argument, checked against the program's spec."""
+    local = dtensor_local(dt)
+    want = spec.local_shape(coord)
+    if tuple(local.shape) != want:
+        raise ValueError(
+            f"{what}: its local shard has shape {tuple(local.shape)}, the program's spec {spec} "
+            f"of {spec.shape} has {want} on mesh coordinate {tuple(coord)}"
+        )
+    return local.contiguous()
+
+
+def wrap_output(local: torch.Tensor, device_mesh: DeviceMesh, spec: ShardingSpec):
+    """This rank's shard of an output as a DTensor of the program's spec."""
+    order = {d: ms for d, ms in spec.shard_order}
+    if any(sf != 1 for lv in spec.levels for _, sf in lv):
+        # genuinely strided levels: the placements carry them, in mesh-dim order only
+        if any(list(ms) != sorted(ms) for ms in order.values()):
+            raise NotImplementedError(
+                f"an output sharded {spec} (strided shards and another dim's non-default shard "
+                "order) has no DTensor spelling; ask for other output_placements"
+            )
+        order = None
+    return make_dtensor(local, device_mesh, spec.placements, order, spec.shape)
+
+
+def standin(dt) -> torch.Tensor:
+    """A plain tensor of a DTensor's global shape, dtype and device, for capture (values
+    unused)."""
+    t = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=dt.to_local().device)
+    return t.requires_grad_(dt.requires_grad)
