@@ -65,6 +65,7 @@ from ._torch import (
     tensor_version,
 )
 from .capture import dynamo_sources, source_fqn
+from .capture.common import normalize_source, source_root
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
@@ -222,6 +223,8 @@ class _PlanScope:
                 cons = resolve_plan(opts.plan, top, mesh, opts.tp_dim)
                 self.tops[top] = cons
                 return cons, roots
+        if not opts.plan:  # nothing to place: each frame module's FQNs under its own name
+            return resolve_plan(None, None, mesh, opts.tp_dim), {k: f"{k}." for k in frame_modules}
         raise ValueError(
             f"fxshard backend: the graph uses modules {sorted(frame_modules)} that are not parts "
             "of one "
@@ -254,19 +257,26 @@ def compiled_programs() -> list:
 
 
 def _frame_modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
-    """The frame locals that are modules and own this graph's parameters / buffers."""
-    import re
-
-    names = set()
+    """The frame roots (locals, or items of them: ``args[0]`` of a wrapped forward) that are modules
+    and own this graph's parameters / buffers, by root key."""
+    roots = {}
     for p in gm.graph.nodes:
         if p.op == "placeholder":
-            m = re.match(
-                r"^L\['([^']+)'\]\._(modules|parameters|buffers)\[", placeholder_source(p) or ""
-            )
-            if m:
-                names.add(m.group(1))
+            src = normalize_source(placeholder_source(p) or "")
+            root = source_root(src) if src.startswith("L[") else None
+            if root is not None and src[root[3] :].startswith(
+                ("._modules[", "._parameters[", "._buffers[")
+            ):
+                roots[root[0]] = root[1:3]
     frame = dynamo_frame_locals()
-    return {n: frame[n] for n in sorted(names) if isinstance(frame.get(n), nn.Module)}
+    out = {}
+    for key, (name, idx) in sorted(roots.items()):
+        obj = frame.get(name)
+        for i in idx:
+            obj = obj[i] if isinstance(obj, (tuple, list)) and i < len(obj) else None
+        if isinstance(obj, nn.Module):
+            out[key] = obj
+    return out
 
 
 class ShardedGraph:
@@ -432,19 +442,30 @@ class ShardedGraph:
         def write_back(a, flat):
             return prog.apply_updates(flat, {f: a[i] for f, i in updated.items()})
 
+        def values(a):  # every placeholder's global value: an argument, or a traced constant
+            return [
+                a[i] if i is not None else prog.captured.state[info(p).fqn]
+                for i, p in zip(arg_index, prog.placeholders)
+            ]
+
         if opts.simulate:
-            return lambda a: write_back(a, prog.simulate_placeholders([a[i] for i in arg_index]))
+            return lambda a: write_back(a, prog.simulate_placeholders(values(a)))
         compiled = CompiledProgram(
             prog, opts.mesh, inductor=opts.inductor, own_state=False, agreement=opts.agreement
         )
         kinds = [info(p).kind for p in prog.placeholders]
+        fqns = [info(p).fqn for p in prog.placeholders]
+        state = prog.captured.state
         check = self._agreement(prog, compiled.agreement)
 
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):
                 check(a)
                 local = []
-                for i, kind, spec in zip(arg_index, kinds, compiled.specs):
+                for i, kind, spec, fqn in zip(arg_index, kinds, compiled.specs, fqns):
+                    if i is None:  # a tensor constant of the trace: the program's own value
+                        local.append(self._cached_shard(fqn, state[fqn], spec, compiled))
+                        continue
                     t = a[i]
                     if kind in STATE_KINDS:
                         local.append(self._cached_shard(i, t, spec, compiled))
@@ -462,7 +483,7 @@ class ShardedGraph:
         inputs, state = [], []
         for p in prog.placeholders:
             rec = info(p)
-            if rec.kind in STATE_KINDS:
+            if rec.kind in STATE_KINDS and rec.arg_index is not None:
                 state.append((rec.fqn, rec.arg_index))
             elif rec.kind == INPUT:
                 inputs.append((f"input {p.name}", rec.arg_index))
@@ -482,18 +503,26 @@ class ShardedGraph:
         arguments: DTensor gradients placed like them)."""
         primals = [p for p in prog.placeholders if info(p).kind != TANGENT]
         index = [info(p).arg_index for p in primals]
+        state = prog.captured.state
+        fqns = [info(p).fqn for p in primals]
+
+        def values(a):  # the arguments, and the traced constants (no argument: their own value)
+            return [a[i] if i is not None else state[f] for i, f in zip(index, fqns)]
+
         if self.opts.simulate:
 
             def run(a):
-                return list(SimulatedTraining.apply(prog, *[a[i] for i in index]))
+                return list(SimulatedTraining.apply(prog, *values(a)))
 
             return run
         kinds = [info(p).kind for p in primals]
 
         def localize(global_args):
             out = []
-            for i, kind, spec, t in zip(index, kinds, compiled.primal_specs, global_args):
-                if kind in STATE_KINDS:
+            for i, kind, spec, t, f in zip(index, kinds, compiled.primal_specs, global_args, fqns):
+                if i is None:
+                    out.append(self._cached_shard(f, t, spec, compiled))
+                elif kind in STATE_KINDS:
                     out.append(self._cached_shard(i, t, spec, compiled))
                 elif i in dt_specs:  # a DTensor's local tensor, taken outside the Function
                     out.append(t)
@@ -518,10 +547,10 @@ class ShardedGraph:
                 # a DTensor's to_local() is differentiable: its gradient comes back as a DTensor
                 outs = compiled.apply(
                     [
-                        local_arg(a[i], s, compiled.coord_ints, f"argument {i}")
+                        local_arg(v, s, compiled.coord_ints, f"argument {i}")
                         if i in dt_specs
-                        else a[i]
-                        for i, s in zip(index, specs)
+                        else v
+                        for i, s, v in zip(index, specs, values(a))
                     ]
                 )
                 return self._wrap_outputs(prog, list(outs) if isinstance(outs, tuple) else [outs])

@@ -268,18 +268,43 @@ def take_scalar_inputs(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int
     return out
 
 
+# a dynamo source's frame root: a local (``L['self']``), or an item of one (``L['args'][0]``: the
+# module of a forward wrapped in ``def inner(*args, **kwargs)``, as transformers' decorators do)
+# (globals, G[...], are not roots: their parameters are inputs, their module paths stay qualified)
+_ROOT = re.compile(r"^L\['([^']+)'\]((?:\[\d+\])*)")
+
+
+def normalize_source(source: str) -> str:
+    """A dynamo source with ``.__dict__['_modules']`` (how dynamo reads some wrapped modules)
+    spelled ``._modules`` (likewise parameters and buffers)."""
+    return re.sub(r"\.__dict__\['(_modules|_parameters|_buffers)'\]", r".\1", source)
+
+
+def source_root(source: str) -> tuple[str, str, tuple[int, ...], int] | None:
+    """(root key, frame local, item indices, end) of a source's frame root: ``L['args'][0]...``
+    -> ("args[0]", "args", (0,), 12); None for a source not rooted in a frame local."""
+    m = _ROOT.match(source)
+    if m is None:
+        return None
+    idx = tuple(int(i) for i in re.findall(r"\d+", m.group(2)))
+    return m.group(1) + m.group(2), m.group(1), idx, m.end()
+
+
 def path_fqn(path: str, roots: dict | None) -> str:
     """FQN of a module path such as ``L['layer'].attention.wq``: the frame local's FQN (``roots``,
     e.g. {"layer": "layers.1."}) + the rest."""
-    m = re.match(r"^L\['([^']+)'\]", path)
-    prefix = (roots or {}).get(m.group(1), "") if m else ""
+    path = normalize_source(path)
+    root = source_root(path)
+    prefix = (roots or {}).get(root[0], "") if root else ""
     fqn = _clean_fqn(path)
     return (prefix + fqn if fqn else prefix.rstrip(".")) if prefix else fqn
 
 
 def _clean_fqn(path: str) -> str:
     # nn_module_stack paths look like "L['self'].layers[0].attention" in some versions; normalise
-    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
+    root = source_root(path)
+    if root is not None:
+        path = path[root[3] :].lstrip(".")
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")

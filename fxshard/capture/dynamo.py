@@ -21,15 +21,17 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.traceback import preserve_node_meta
 
-from .._torch import describe, fake_mode, placeholder_source
-from ..ir import BOUNDARY, BUFFER, INPUT, PARAM, Role, info
+from .._torch import describe, fake_mode, fake_mode_of, placeholder_source
+from ..ir import BOUNDARY, BUFFER, CONSTANT, INPUT, PARAM, Role, info
 from .common import (
     Captured,
     check_no_input_mutation,
     decomposition_table,
     drop_trace_checks,
+    normalize_source,
     path_fqn,
     record,
+    source_root,
 )
 from .joint import capture_joint
 
@@ -42,11 +44,12 @@ def source_fqn(source_name: str, roots: dict | None = None) -> tuple[str, str | 
     """(kind, FQN) of a dynamo placeholder source such as
     ``L['self']._modules['fc1']._parameters['weight']`` -> (param, "fc1.weight"); ``roots`` gives
     the FQN prefix of frame locals that are submodules (``{"layer": "layers.1."}``)."""
-    m = re.match(r"^(?:L|G)\['([^']+)'\]", source_name)
-    if m is None:
+    source_name = normalize_source(source_name)
+    root = source_root(source_name)
+    if root is None:
         return INPUT, None
     parts, kind = [], INPUT
-    for a, b, attr in _SOURCE_PART.findall(source_name[m.end() :]):
+    for a, b, attr in _SOURCE_PART.findall(source_name[root[3] :]):
         if attr:
             parts.append(attr)
         else:
@@ -57,7 +60,7 @@ def source_fqn(source_name: str, roots: dict | None = None) -> tuple[str, str | 
                 kind = BUFFER
     if kind == INPUT or not source_name.startswith("L["):
         return INPUT, None
-    return kind, (roots or {}).get(m.group(1), "") + ".".join(parts)
+    return kind, (roots or {}).get(root[0], "") + ".".join(parts)
 
 
 def _module_path(node: fx.Node, roots: dict | None = None) -> list[str]:
@@ -243,12 +246,47 @@ def capture_dynamo_graph(
         else:
             n_inputs += 1
         kept.append((kind, fqn))
+    constants = _lift_constants(traced, mode)
+    state.update(constants)
+    kept += [(CONSTANT, name) for name in constants]
     record(traced, kept, roots)
     for n, i in zip([n for n in traced.graph.nodes if n.op == "placeholder"], tensor_pos):
         info(n).arg_index = i
     traced.graph.lint()
     traced.recompile()
     return Captured(traced, state, n_inputs, None)
+
+
+def _lift_constants(gm: fx.GraphModule, mode, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensor constants the trace made (``get_attr`` of ``_tensor_constant0``: a ``torch.tensor``
+    in the model's code, e.g. HF's cache and mask helpers) become placeholders of kind constant,
+    after the others: placed like any state (replicated unless a search shards them, sliced
+    locally), their values in the program's state under their attribute names."""
+    graph = gm.graph
+    found: dict[str, list[fx.Node]] = {}  # one placeholder per constant, however many read it
+    for n in graph.nodes:
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor):
+            found.setdefault(n.target, []).append(n)
+    if not found:
+        return {}
+    # after the last placeholder that is no incoming gradient (a joint graph's tangents stay last)
+    last = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")][
+        -1
+    ]
+    out = {}
+    for target, nodes in found.items():
+        value = getattr(gm, target).detach()
+        with graph.inserting_after(last):
+            p = graph.placeholder(prefix + target)
+        p.meta.update(nodes[0].meta)
+        p.meta["val"] = mode.from_tensor(value, static_shapes=True)  # a constant's shape is fixed
+        for n in nodes:
+            n.replace_all_uses_with(p)
+            graph.erase_node(n)
+        delattr(gm, target)
+        out[p.target] = value
+        last = p
+    return out
 
 
 class _Run(nn.Module):
@@ -277,6 +315,14 @@ def _capture_dynamo_joint(run, args, tensor_pos, kinds) -> Captured:
         for i, (kind, fqn) in zip(tensor_pos, input_kinds)
         if kind in (PARAM, BUFFER)
     }
+    mode = fake_mode_of([n.meta.get("val") for n in c.gm.graph.nodes if n.op == "placeholder"])
+    constants = _lift_constants(c.gm, mode, prefix="primals_")  # the partitioner's primals
+    for n in c.gm.graph.nodes:
+        if n.op == "placeholder" and n.target in constants:
+            info(n).kind, info(n).fqn = CONSTANT, n.target
+    state.update(constants)
+    c.gm.graph.lint()
+    c.gm.recompile()
     return dataclasses.replace(c, state=state)
 
 

@@ -22,6 +22,7 @@ import difflib
 import fnmatch
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -56,15 +57,37 @@ class PlanConstraints:
     blocks: list[list[str]] = field(default_factory=list)
 
 
+# transformers' tp_plan style strings (its ParallelInterface) as fxshard's placements.  fxshard runs
+# the global program, so a style only pins placements: gradients of replicated parameters are
+# whole by construction (replicated_with_grad_allreduce is "replicate"), and an output the style
+# all-reduces is asked for replicated at the module's boundary.
 HF_STYLES = {
     "colwise": lambda: ColwiseParallel(),
     "rowwise": lambda: RowwiseParallel(),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "sequence_parallel": lambda: SequenceParallel(),
     "replicate": lambda: "replicate",
+    "replicated_with_grad_allreduce": lambda: "replicate",
     "packed_colwise": lambda: "packed_colwise",
+    "packed_rowwise": lambda: "packed_rowwise",
+    "all_reduce": lambda: PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Replicate()
+    ),
+}
+
+# styles whose layers fxshard has no rules for yet, and what each would need
+HF_STYLES_NOT_YET = {
+    "grouped_gemm": "expert-parallel experts (grouped_mm rules and all-to-all token routing)",
+    "moe_tp_experts": "tensor-parallel MoE experts (grouped_mm rules for fused 3-D experts)",
+    "ep_router": "expert-parallel routing (data-dependent token dispatch)",
+    "megamoe_router": "MegaMoE routing (data-dependent token dispatch)",
+    "megamoe_experts": "MegaMoE experts (grouped_mm rules)",
+    "moe_identity_expert": "MoE identity experts (expert routing)",
+    "mla_kv_a_proj": "MLA's split kv_a_proj (a colwise layer whose output is split unevenly)",
 }
 
 
@@ -146,6 +169,12 @@ def resolve_plan(
     out = PlanConstraints(dim=dim)
     for pattern, style in plan.items():
         if isinstance(style, str):
+            if style in HF_STYLES_NOT_YET:
+                raise NotImplementedError(
+                    f"plan entry {pattern!r}: tp_plan style {style!r} is not supported yet: it "
+                    f"needs {HF_STYLES_NOT_YET[style]}; leave the entry out (those layers are "
+                    "then replicated) or give that module a ParallelStyle fxshard supports"
+                )
             if style not in HF_STYLES:
                 raise ValueError(
                     f"plan entry {pattern!r}: unknown tp_plan style {style!r}; "
@@ -205,6 +234,17 @@ def _params(module: nn.Module):
     return [(n, p) for n, p in module.named_parameters(recurse=False)]
 
 
+def _is_conv1d(mod: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers): a Linear whose weight is stored (in, out)."""
+    w = getattr(mod, "weight", None)
+    return (
+        type(mod).__name__ == "Conv1D"
+        and isinstance(w, torch.Tensor)
+        and w.ndim == 2
+        and tuple(w.shape) == (getattr(mod, "nx", None), getattr(mod, "nf", None))
+    )
+
+
 def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: str):
     def set_param(name, placement):
         out.params[f"{fqn}.{name}" if fqn else name] = (placement, prov)
@@ -214,17 +254,22 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
         out.hooked[fqn] = (max(a, n_in), max(b, n_out))
 
     is_linear, is_emb = isinstance(mod, nn.Linear), isinstance(mod, nn.Embedding)
+    # Conv1D: a Linear with its weight transposed, so its output features are weight dim 1
+    is_conv1d = _is_conv1d(mod)
+    is_linear = is_linear or is_conv1d
+    out_dim = 1 if is_conv1d else 0
     if isinstance(style, ColwiseParallel) or style == "packed_colwise":
         if not (is_linear or is_emb):
             raise ValueError(
-                f"{prov}: ColwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
-                f"{type(mod).__name__}"
+                f"{prov}: ColwiseParallel applies to nn.Linear / nn.Embedding (and GPT-2's "
+                f"Conv1D), but {fqn!r} is {type(mod).__name__}"
             )
         for name, _ in _params(mod):
+            d = out_dim if name == "weight" else 0
             if style == "packed_colwise":
-                set_param(name, StridedShard(0, split_factor=2))
+                set_param(name, StridedShard(d, split_factor=2))
             else:
-                set_param(name, Shard(1) if is_emb else Shard(0))
+                set_param(name, Shard(1) if is_emb else Shard(d))
         if style == "packed_colwise":
             style = ColwiseParallel()
         need(1, 1)
@@ -234,14 +279,14 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
     elif isinstance(style, RowwiseParallel):
         if not (is_linear or is_emb):
             raise ValueError(
-                f"{prov}: RowwiseParallel applies to nn.Linear / nn.Embedding, but {fqn!r} is "
-                f"{type(mod).__name__}"
+                f"{prov}: RowwiseParallel applies to nn.Linear / nn.Embedding (and GPT-2's "
+                f"Conv1D), but {fqn!r} is {type(mod).__name__}"
             )
         for name, _ in _params(mod):
             if is_emb:
                 set_param(name, Shard(0))
             else:
-                set_param(name, Shard(1) if name == "weight" else Replicate())
+                set_param(name, Shard(1 - out_dim) if name == "weight" else Replicate())
         need(1, 1)
         out.boundaries[f"{fqn}:in:0"] = (Replicate() if is_emb else Shard(-1), prov)
         _hint(out, fqn, 0, style.input_layouts[0])
@@ -252,6 +297,17 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
         need(1, 0)
         out.boundaries[f"{fqn}:in:0"] = (style.sequence_sharding[0], prov)
         _hint(out, fqn, 0, style.sequence_sharding[0])
+    elif style == "packed_rowwise":  # fused weights packed along the input features
+        if not is_linear:
+            raise ValueError(
+                f"{prov}: packed_rowwise applies to nn.Linear (and GPT-2's Conv1D), but {fqn!r} "
+                f"is {type(mod).__name__}"
+            )
+        for name, _ in _params(mod):
+            if name == "weight":  # transformers' layout: the weight's last dim, strided
+                set_param(name, StridedShard(1, split_factor=2))
+            else:
+                set_param(name, Replicate())
     elif style == "replicate":
         for name, _ in mod.named_parameters():
             out.params[f"{fqn}.{name}" if fqn else name] = (Replicate(), prov)
