@@ -15,7 +15,7 @@ import logging
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._torch import dtensor_layout, dtensor_local, is_dtensor, make_dtensor
+from .._torch import dtensor_layout, dtensor_local, fake_mode, is_dtensor, make_dtensor
 from ..core.mesh import MeshSpec
 from ..core.spec import ShardingSpec, is_even
 
@@ -95,7 +95,9 @@ def wrap_output(local: torch.Tensor, device_mesh: DeviceMesh, spec: ShardingSpec
 
 
 def standin(dt) -> torch.Tensor:
-    """A plain tensor of a DTensor's global shape, dtype and device, for capture (values
-    unused)."""
-    t = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=dt.to_local().device)
+    """A fake tensor of a DTensor's global shape, dtype and device, for capture: no memory (the
+    global value of a sharded KV cache may not fit on one rank); capture re-fakes it in its own
+    mode."""
+    with fake_mode():
+        t = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=dtensor_local(dt).device)
     return t.requires_grad_(dt.requires_grad)
