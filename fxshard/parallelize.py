@@ -44,6 +44,18 @@ from .runtime.boundary import OUTPUTS, as_program_arg, check_mesh, local_arg, sp
 from .runtime.compiled import CompiledProgram, CompiledTraining, device_of, input_values
 
 
+def _drop_wrapper_prefix(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + "module."
+    for k in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + k[len(inner) :]] = state_dict.pop(k)
+
+
+def _add_wrapper_prefix(module, state_dict, prefix, *args) -> None:
+    inner = prefix + "module."
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + k[len(prefix) :]] = state_dict.pop(k)
+
+
 def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     path, _, name = fqn.rpartition(".")
     return (model.get_submodule(path) if path else model), name
@@ -87,6 +99,10 @@ class ParallelModule(nn.Module):
                 'backend="fxshard", options={"mesh": ..., "plan": "auto"}) or fxshard.shard'
             )
         self.module = model
+        # the state dict has the model's own FQNs, no "module." (as torch's parallelize_module
+        # model: checkpoints of either load into the other), here and nested in another module
+        self.register_state_dict_post_hook(_drop_wrapper_prefix)
+        self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
         self.device_mesh = device_mesh
         self.mesh = MeshSpec.from_device_mesh(device_mesh)
         self.plan = plan
@@ -217,13 +233,8 @@ class ParallelModule(nn.Module):
         t = getattr(*hit)
         return dtensor_local(t) if is_dtensor(t) else t
 
-    def state_dict(self, *args, **kwargs):
-        """The model's DTensor state dict under its own FQNs (no ``module.`` prefix), as torch's
-        ``parallelize_module`` model's: checkpoints of either load into the other."""
-        return self.module.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        out = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self.uninitialised -= set(state_dict)
         return out
 

@@ -181,3 +181,26 @@ def test_input_placements_may_leave_an_input_to_the_default():
     # the default order: a * 2 sliced locally, b and the output as they are.  (A non-default
     # order costs an all-to-all here: elementwise rules offer default-order states only.)
     assert prog.collectives() == []
+
+
+def test_parallelize_state_dict_keys_are_the_models_here_and_nested(fake_world):
+    """The state dict carries the model's own FQNs (no wrapper prefix) with DTensor values, and
+    loads back, also when the parallelized module sits inside another module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fxshard import zoo
+
+    dm = init_device_mesh("cpu", (4,))
+    pm = fxshard.parallelize(zoo.MLP(), dm, zoo.mlp_plan())
+    sd = pm.state_dict()
+    assert sorted(sd) == sorted(zoo.MLP().state_dict()) and all(
+        isinstance(v, DTensor) for v in sd.values()
+    )
+    assert sd["fc1.weight"].placements == (Shard(0),) and sd["fc2.weight"].placements == (Shard(1),)
+    pm.load_state_dict(sd)
+    outer = torch.nn.Module()
+    outer.pm = pm
+    nested = outer.state_dict()
+    assert sorted(nested) == sorted(f"pm.{k}" for k in sd)
+    outer.load_state_dict(nested)  # strict: every key found
