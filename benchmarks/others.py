@@ -18,7 +18,6 @@ Each comes with a Megatron TP plan and a sequence-parallel plan in its own FQNs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -31,18 +30,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from fxshard.zoo import LlamaConfig
 
-@dataclass
-class Config:
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 128
-    ffn_hidden: int = 128
-    max_seq_len: int = 32
-    eps: float = 1e-5
-    theta: float = 10000.0
+# one config for every way of writing the model: zoo's (the same fields, the same defaults)
+Config = LlamaConfig
 
 
 def llama3_8b_config(layers: int = 32) -> Config:
@@ -51,7 +42,7 @@ def llama3_8b_config(layers: int = 32) -> Config:
 
 def _inv_freq(cfg: Config) -> torch.Tensor:
     hd = cfg.dim // cfg.n_heads
-    return 1.0 / (cfg.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
 
 
 def _causal_softmax_attention(q, k, v):
@@ -112,9 +103,9 @@ class _Norm(nn.Module):
 class _EagerBlock(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.attention_norm = _Norm(cfg.dim, cfg.eps)
+        self.attention_norm = _Norm(cfg.dim, cfg.norm_eps)
         self.attention = _EagerAttention(cfg)
-        self.ffn_norm = _Norm(cfg.dim, cfg.eps)
+        self.ffn_norm = _Norm(cfg.dim, cfg.norm_eps)
         self.feed_forward = _SwiGLU(cfg)
 
     def forward(self, x, cos, sin):
@@ -153,7 +144,7 @@ class EagerLlama(nn.Module):
         self.cfg = cfg = cfg or Config()
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(_EagerBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = _Norm(cfg.dim, cfg.eps)
+        self.norm = _Norm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = _half_tables(cfg, cfg.max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
@@ -232,8 +223,8 @@ class HFDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = HFAttention(cfg)
         self.mlp = HFMLP(cfg)
-        self.input_layernorm = HFRMSNorm(cfg.dim, cfg.eps)
-        self.post_attention_layernorm = HFRMSNorm(cfg.dim, cfg.eps)
+        self.input_layernorm = HFRMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = HFRMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         residual = hidden_states
@@ -262,7 +253,7 @@ class HFModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(HFDecoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = HFRMSNorm(cfg.dim, cfg.eps)
+        self.norm = HFRMSNorm(cfg.dim, cfg.norm_eps)
         self.rotary_emb = HFRotaryEmbedding(cfg)
 
     def forward(self, input_ids):
@@ -330,8 +321,8 @@ class _TitanBlock(nn.Module):
         super().__init__()
         self.attention = _TitanAttention(cfg)
         self.feed_forward = _SwiGLU(cfg)
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
 
     def forward(self, x, freqs_cos, freqs_sin):
         h = x + self.attention(self.attention_norm(x), freqs_cos, freqs_sin)
@@ -344,7 +335,7 @@ class TitanLlama(nn.Module):
         self.cfg = cfg = cfg or Config()
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): _TitanBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.eps)
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), _inv_freq(cfg))
         self.register_buffer("freqs_cos", freqs.cos(), persistent=False)

@@ -78,9 +78,9 @@ from .runtime.boundary import (
     as_program_arg,
     check_mesh,
     local_arg,
+    output_wrapper,
     spec_of,
     standin,
-    wrap_output,
 )
 from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraining
 
@@ -356,21 +356,15 @@ class ShardedGraph:
             out.append(g)
         return out
 
-    def _as_dtensor(self, k: int) -> bool:
+    def _output_wrapper(self, prog):
+        """The outputs asked for as DTensors wrapped (this rank's shard, the program's spec)."""
         given = self.opts.output_placements or ()
-        return self.opts.outputs == "dtensor" or (k < len(given) and given[k] is not None)
-
-    def _wrap_outputs(self, prog, flat: list) -> list:
-        """User outputs asked for as DTensors wrapped (this rank's shard, the program's spec)."""
-        if self.opts.outputs != "dtensor" and not self.opts.output_placements:
-            return flat
-        specs = [s for r, s in zip(prog.output_roles(), prog.output_specs) if r.kind == "output"]
-        return [
-            wrap_output(v, self.opts.mesh, specs[k])
-            if k < len(specs) and self._as_dtensor(k) and isinstance(v, torch.Tensor)
-            else v
-            for k, v in enumerate(flat)
+        specs = prog.forward_output_specs
+        as_dtensor = [
+            self.opts.outputs == "dtensor" or (k < len(given) and given[k] is not None)
+            for k in range(len(specs))
         ]
+        return output_wrapper(specs, self.opts.mesh, as_dtensor)
 
     def __call__(self, *args):
         args = self._program_args(args)
@@ -457,6 +451,7 @@ class ShardedGraph:
         fqns = [info(p).fqn for p in prog.placeholders]
         state = prog.captured.state
         check = self._agreement(prog, compiled.agreement)
+        wrap = self._output_wrapper(prog)
 
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):
@@ -473,7 +468,7 @@ class ShardedGraph:
                         local.append(local_arg(t, spec, compiled.coord_ints, f"argument {i}"))
                     else:
                         local.append(compiled.local_of(t, spec))
-                return self._wrap_outputs(prog, write_back(a, compiled.run_local(local)))
+                return wrap(write_back(a, compiled.run_local(local)))
 
         return run
 
@@ -540,6 +535,7 @@ class ShardedGraph:
         check = self._agreement(prog, compiled.agreement)
 
         specs = compiled.primal_specs
+        wrap = self._output_wrapper(prog)
 
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):
@@ -553,7 +549,7 @@ class ShardedGraph:
                         for i, s, v in zip(index, specs, values(a))
                     ]
                 )
-                return self._wrap_outputs(prog, list(outs) if isinstance(outs, tuple) else [outs])
+                return wrap(list(outs) if isinstance(outs, tuple) else [outs])
 
         return run
 

@@ -40,7 +40,15 @@ from .placement.problem import PlacementProblem
 from .planner import plan_between
 from .planner.execute import execute_plan, group_names
 from .runtime.agree import Agreement, AgreementOptions, fail_together
-from .runtime.boundary import OUTPUTS, as_program_arg, check_mesh, local_arg, spec_of, wrap_output
+from .runtime.boundary import (
+    OUTPUTS,
+    as_program_arg,
+    check_mesh,
+    local_arg,
+    output_wrapper,
+    spec_of,
+    wrap_output,
+)
 from .runtime.compiled import CompiledProgram, CompiledTraining, device_of, input_values
 
 
@@ -123,6 +131,7 @@ class ParallelModule(nn.Module):
         self.constraints = resolve_plan(plan, model, self.mesh, tp_dim)
         self.specs: dict = {}  # fqn -> global ShardingSpec of every parameter and buffer
         self._owners: dict = {}  # fqn -> (owning module, attribute name)
+        self._wrappers: dict = {}  # program -> its outputs' DTensor wrapping
         self.warnings: list[str] = []
         self.uninitialised: set[str] = set()
         self._materialise(init_fn)
@@ -341,7 +350,7 @@ class ParallelModule(nn.Module):
         if not self._programs:
             return None
         prog = list(self._programs.values())[-1][0]
-        return prog.output_specs[: sum(r[0] == "output" for r in prog.output_roles())]
+        return prog.forward_output_specs
 
     def forward(self, *inputs):
         if self.uninitialised:
@@ -385,20 +394,20 @@ class ParallelModule(nn.Module):
                 self._wrap(prog, prog.apply_updates(compiled.run_local(args), local))
             )
 
+    def _wrap(self, prog, flat: list) -> list:
+        """With outputs="dtensor": the outputs as DTensors of the program's specs."""
+        wrap = self._wrappers.get(prog)
+        if wrap is None:
+            specs = prog.forward_output_specs
+            as_dtensor = [self.outputs == "dtensor"] * len(specs)
+            wrap = self._wrappers[prog] = output_wrapper(specs, self.device_mesh, as_dtensor)
+        return wrap(flat)
+
     def _program_input(self, i: int, x):
         if not is_dtensor(x):
             return x
         check_mesh(x, self.device_mesh, f"input {i}")
         return as_program_arg(x, self.mesh, f"input {i}")
-
-    def _wrap(self, prog, flat: list) -> list:
-        if self.outputs != "dtensor":
-            return flat
-        specs = [s for r, s in zip(prog.output_roles(), prog.output_specs) if r.kind == "output"]
-        return [
-            wrap_output(v, self.device_mesh, s) if isinstance(v, torch.Tensor) else v
-            for v, s in zip(flat, specs)
-        ]
 
 
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs) -> ParallelModule:

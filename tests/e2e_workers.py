@@ -356,6 +356,12 @@ def dtensor_backend(rank, world):
         collectives=_kinds(_compiled_since(n0)),
         err=float((y.full_tensor() - (torch.relu(x) * 2 + 1)).abs().max()),
     )
+    # an uneven DTensor (7 rows on the ranks): made global at entry (logged), still exact
+    x7 = torch.randn(7, 6)
+    y = f(distribute_tensor(x7, dm, [Shard(0)]))
+    out["uneven"] = dict(
+        type=type(y).__name__, err=float((y.full_tensor() - (torch.relu(x7) * 2 + 1)).abs().max())
+    )
     # a DTensor sharded on its last dim into a rowwise layer: its shard is the layer's input shard
     torch._dynamo.reset()
     mlp = zoo.init_weights(zoo.MLP(dim=6, hidden=8), seed=1)

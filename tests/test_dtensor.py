@@ -92,6 +92,16 @@ def test_dtensor_layouts_are_fxshard_layouts(fake_world, shape, placements):
         assert torch.allclose(grads[rank], want), (rank, coord, spec)
 
 
+def test_a_dtensor_of_another_mesh_is_refused(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    with local_tensor_mode(4):
+        dt = distribute_tensor(torch.randn(8, 4), init_device_mesh("cpu", (4,)), [Shard(0)])
+        with pytest.raises(ValueError, match=r"mesh of shape \(4,\).*redistribute it"):
+            spec_of(dt, fxshard.MeshSpec((2, 2)), "argument 0")
+
+
 def test_dtensor_outputs_need_a_device_mesh():
     with pytest.raises(ValueError, match="DTensor outputs"):
         BackendOptions.parse({"mesh": (2,), "plan": {}, "simulate": True, "outputs": "dtensor"})
@@ -110,6 +120,7 @@ def test_backend_takes_and_returns_dtensors():
         e = r["elementwise"]
         assert e["type"] == "DTensor" and e["placements"] == (Shard(0),), e
         assert e["collectives"] == [[]] and e["local_shape"] == (4, 6) and e["err"] == 0.0, e
+        assert r["uneven"] == {"type": "DTensor", "err": 0.0}, r["uneven"]
         assert r["rowwise_input"]["collectives"] == [["all_reduce"]], r["rowwise_input"]
         assert r["rowwise_input"]["err"] < 1e-5
         g = r["graph_break"]

@@ -94,6 +94,24 @@ def wrap_output(local: torch.Tensor, device_mesh: DeviceMesh, spec: ShardingSpec
     return make_dtensor(local, device_mesh, spec.placements, order, spec.shape)
 
 
+def output_wrapper(specs, device_mesh: DeviceMesh, as_dtensor):
+    """flat outputs -> the same, output ``k`` wrapped as a DTensor of ``specs[k]`` where
+    ``as_dtensor[k]`` (worked out once per program, applied every call)."""
+    want = [k < len(as_dtensor) and as_dtensor[k] for k in range(len(specs))]
+    if not any(want):
+        return lambda flat: flat
+
+    def wrap(flat: list) -> list:
+        return [
+            wrap_output(v, device_mesh, specs[k])
+            if k < len(want) and want[k] and isinstance(v, torch.Tensor)
+            else v
+            for k, v in enumerate(flat)
+        ]
+
+    return wrap
+
+
 def standin(dt) -> torch.Tensor:
     """A fake tensor of a DTensor's global shape, dtype and device, for capture: no memory (the
     global value of a sharded KV cache may not fit on one rank); capture re-fakes it in its own

@@ -91,6 +91,14 @@ class ShardedProgram:
         """The ShardingSpec of every output (what the per-rank program returns a shard of)."""
         return tuple(info(self._output_node()).input_specs)
 
+    @property
+    def forward_output_specs(self) -> tuple:
+        """The specs of the model's own outputs (no gradients, no in-place state updates), in
+        order."""
+        return tuple(
+            s for r, s in zip(self.output_roles(), self.output_specs) if r.kind == "output"
+        )
+
     def _output_node(self) -> fx.Node:
         return next(n for n in reversed(self.global_graph.graph.nodes) if n.op == "output")
 
