@@ -5,12 +5,17 @@ Llama-style model (4 layers, hidden 256), tensor-parallel (Megatron) plan, 4 glo
 machine (CPU, loopback), all three in the same run on the same weights and tokens.  Per rank:
 compile time (first call, including dynamo, fxshard's passes and Inductor), median forward time
 over timed steps (a barrier before each, the three variants round-robin), and collectives per step
-(in Inductor's post-grad graphs for the compiled variants, ``CommDebugMode`` for DTensor eager).
-Inductor's FX graph cache is off, so both compiled variants compile cold.  Ratios are against
-DTensor + torch.compile.  On 2 cores the 4 ranks share the CPUs, so absolute times are noisy:
-quote medians and ratios.
+(in Inductor's post-grad graphs for the compiled variants, ``CommDebugMode`` for DTensor eager)
+with the bytes each rank hands them (fxshard: its per-rank program, padding of uneven chunks
+included; DTensor: its eager step's collective inputs).  Inductor's FX graph cache is off, so both
+compiled variants compile cold.  Ratios are against DTensor + torch.compile.  On 2 cores the 4
+ranks share the CPUs, so absolute times are noisy: quote medians and ratios.
+
+``--model uneven``: ``zoo.uneven_config()`` (vocabulary 1001, hidden 96 in 6 heads, ffn 250: no
+dim but the sequence divides by 4) with the vocab-parallel plan, the same for both.
 
     python benchmarks/step_time.py [--ranks 4] [--steps 20] [--batch 8] [--seq 64]
+    python benchmarks/step_time.py --model uneven [--layers 2]
 """
 
 from __future__ import annotations
@@ -66,13 +71,20 @@ def _time(fn, x, steps) -> list[float]:
     return out
 
 
-def worker(rank, world, cfg_kw, batch, seq, steps):
+def _fxshard_bytes(progs) -> int:
+    return sum(c.bytes + c.padding for p in progs for c in p.collectives())
+
+
+def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan"):
     import torch.distributed as dist
+    from decode import CollectiveBytes
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fxshard import zoo
+    from fxshard.backend import compiled_programs
 
+    plan = getattr(zoo, plan_name)
     torch.manual_seed(0)
     cfg = zoo.LlamaConfig(**cfg_kw)
     base = zoo.init_weights(zoo.Llama(cfg), seed=0)
@@ -82,13 +94,14 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.no_grad():
         ref = base(tokens)
-    made, counts = {}, {}
+    made, counts, nbytes = {}, {}, {}
 
     def build(label, make):  # compile (first call) one at a time, every rank together
         import torch._inductor.config as inductor_config
 
         torch._dynamo.reset()
         counter = CollectiveCounter()
+        n0 = len(compiled_programs())
         dist.barrier()
         t = time.perf_counter()
         fn = make()
@@ -103,9 +116,18 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
         )
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         made[label] = (fn, compile_s, float((out - ref).abs().max() / ref.abs().max()))
+        if label.startswith("fxshard"):
+            nbytes[label] = _fxshard_bytes(compiled_programs()[n0:])
+        else:  # DTensor: its eager step's collectives (the compiled step runs the same)
+            seen = CollectiveBytes()
+            with torch.no_grad(), seen:
+                eager_model(tokens)
+            nbytes[label] = seen.bytes
 
     def dtensor_model():
-        return parallelize_module(copy.deepcopy(base), dm, zoo.megatron_tp_plan())
+        return parallelize_module(copy.deepcopy(base), dm, plan())
+
+    eager_model = dtensor_model()
 
     build("DTensor eager", dtensor_model)
     build("DTensor + torch.compile", lambda: torch.compile(dtensor_model()))
@@ -114,7 +136,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
         lambda: torch.compile(
             copy.deepcopy(base),
             backend="fxshard",
-            options={"mesh": dm, "plan": zoo.megatron_tp_plan()},
+            options={"mesh": dm, "plan": plan()},
         ),
     )
     # timed round-robin, so that the machine's noise hits all three alike
@@ -130,6 +152,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps):
             compile_s=c,
             step_ms=1e3 * statistics.median(times[label]),
             collectives=counts[label],
+            bytes=nbytes[label],
             rel_err=e,
         )
         for label, (_, c, e) in made.items()
@@ -145,19 +168,30 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--model", choices=("llama", "uneven"), default="llama")
     args = ap.parse_args()
+    import dataclasses
+
+    from fxshard import zoo
     from fxshard.runtime.launch import spawn
 
-    cfg = dict(
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=8,
-        n_kv_heads=8,
-        ffn_hidden=4 * args.dim,
-        vocab_size=1024,
-        max_seq_len=max(args.seq, 32),
-    )
-    per_rank = spawn(args.ranks, worker, cfg, args.batch, args.seq, args.steps)
+    if args.model == "uneven":
+        base = dataclasses.asdict(zoo.uneven_config())
+        cfg = {**base, "n_layers": args.layers, "max_seq_len": max(args.seq, 32)}
+        plan_name, what = "vocab_parallel_plan", "vocab-parallel TP plan (uneven: vocab 1001"
+        what += ", hidden 96 in 6 heads, ffn 250)"
+    else:
+        cfg = dict(
+            dim=args.dim,
+            n_layers=args.layers,
+            n_heads=8,
+            n_kv_heads=8,
+            ffn_hidden=4 * args.dim,
+            vocab_size=1024,
+            max_seq_len=max(args.seq, 32),
+        )
+        plan_name, what = "megatron_tp_plan", f"hidden {args.dim}, Megatron TP plan"
+    per_rank = spawn(args.ranks, worker, cfg, args.batch, args.seq, args.steps, plan_name)
     labels = list(per_rank[0])
     anchor = "DTensor + torch.compile"
 
@@ -165,14 +199,13 @@ def main():
         return statistics.median(r[label][key] for r in per_rank)
 
     print(
-        f"Llama-style forward, {args.layers} layers, hidden {args.dim}, batch {args.batch} x seq "
-        f"{args.seq}, "
-        f"{args.ranks} gloo ranks (CPU), Megatron TP plan; medians over ranks of per-rank medians "
-        f"({args.steps} steps)"
+        f"Llama-style forward, {args.layers} layers, {what}, batch {args.batch} x seq {args.seq}, "
+        f"{args.ranks} gloo ranks (CPU); medians over ranks of per-rank medians ({args.steps} "
+        "steps)"
     )
     print(
         f"{'':30} {'step ms':>9} {'vs compile':>10} {'compile s':>10} {'vs compile':>10} "
-        f"{'collectives':>11} "
+        f"{'collectives':>11} {'bytes/rank':>10} "
         f"{'max rel err':>11}"
     )
     for label in labels:
@@ -182,6 +215,7 @@ def main():
             f"{med(label, 'compile_s'):10.2f} "
             f"{med(label, 'compile_s') / med(anchor, 'compile_s'):10.2f} "
             f"{per_rank[0][label]['collectives']:11d} "
+            f"{max(r[label]['bytes'] for r in per_rank):10d} "
             f"{max(r[label]['rel_err'] for r in per_rank):11.1e}"
         )
 

@@ -108,6 +108,13 @@ def per_rank(fn: Callable) -> Callable:
     return maybe_run_for_local_tensor(fn)
 
 
+def simulating() -> bool:
+    """Whether ops run on simulated ranks (``LocalTensorMode`` is active)."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    return enabled_local_tensor_mode() is not None
+
+
 def local_tensor_mode(world_size: int):
     from torch.distributed._local_tensor import LocalTensorMode
 

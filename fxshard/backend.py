@@ -70,7 +70,6 @@ from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
 from .ir import INPUT, STATE_KINDS, TANGENT, info
-from .passes.lower import local_shape
 from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
 from .runtime.boundary import (
@@ -559,7 +558,7 @@ class ShardedGraph:
             hit is not None
             and hit[0]() is t
             and hit[1] == (tensor_version(t), t.data_ptr())
-            and hit[2].shape == local_shape(spec)
+            and hit[2].shape == spec.local_shape(compiled.coord_ints)
         ):
             return hit[2]
         local = compiled.local_of(t, spec)

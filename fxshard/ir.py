@@ -94,6 +94,9 @@ class Collective:
     # "backward" for collectives that depend on an incoming gradient (training)
     phase: str = "forward"
     carries: tuple = ()  # per-rank collectives: the planned ones they run
+    # per rank, bytes of padding the collective carries beyond ``bytes`` (uneven shards are padded
+    # to the group's largest chunk, so that every rank sends the same sizes)
+    padding: int = 0
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:

@@ -33,7 +33,6 @@ from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
 from .ir import INPUT, STATE_KINDS, info
-from .passes.lower import local_shape
 from .placement.constraints import resolve_plan
 from .placement.greedy import state_placement
 from .placement.problem import PlacementProblem
@@ -153,13 +152,12 @@ class ParallelModule(nn.Module):
                 owner, name = _owner(model, fqn)
                 set_module_tensor(owner, name, local, parameter=is_param)
                 continue
-            spec, _prov, warning = state_placement(problem, fqn, t)
-            if warning:
-                self.warnings.append(warning)
+            spec, _prov = state_placement(problem, fqn, t)
             self.specs[fqn] = spec
             with torch.no_grad():
                 if t.device.type == "meta":
-                    local = torch.empty(local_shape(spec), dtype=t.dtype, device=self.device)
+                    shape = spec.local_shape(self.coord)
+                    local = torch.empty(shape, dtype=t.dtype, device=self.device)
                     if init_fn is not None:
                         init_fn(fqn, local, spec)
                     else:

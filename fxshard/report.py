@@ -12,12 +12,13 @@ from __future__ import annotations
 import html
 import json
 import logging
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ._torch import is_op_overload, trace_artifact
-from .core.spec import levels_to_placements, placements_str
+from .core.spec import is_even, levels_to_placements, local_extent, mesh_coords, placements_str
 from .ir import info
 
 if TYPE_CHECKING:  # annotations only
@@ -33,7 +34,73 @@ def _pl(spec) -> str:
         return "-"
     if isinstance(spec, tuple):
         return ",".join(_pl(s) for s in spec)
-    return placements_str(spec.placements, spec.levels)
+    return placements_str(spec.placements, spec.levels) + _uneven_note(spec)
+
+
+def _uneven_note(spec) -> str:
+    """`` [d0 251x3,248]``: the local extents of each unevenly split dim, rank by rank (row-major
+    mesh coordinates); empty for an even spec."""
+    if is_even(spec):
+        return ""
+    parts = []
+    for d, lv in enumerate(spec.levels):
+        if not lv:
+            continue
+        mesh = spec.mesh.shape
+        ext = [local_extent(spec.shape[d], lv, mesh, c) for c in mesh_coords(mesh)]
+        if len(set(ext)) == 1:
+            continue
+        runs: list[list[int]] = []
+        for e in ext:
+            if runs and runs[-1][0] == e:
+                runs[-1][1] += 1
+            else:
+                runs.append([e, 1])
+        parts.append(f"d{d} " + ",".join(f"{e}x{k}" if k > 1 else str(e) for e, k in runs))
+    return f" [{'; '.join(parts)}]"
+
+
+def uneven_summary(prog: ShardedProgram) -> dict | None:
+    """What uneven sharding costs the program (None where every shard is even): how many values
+    are split unevenly, the largest shard against an even share (the slowest rank's extra work),
+    the per-rank graphs (ranks grouped by their local shapes) and the padding collectives carry."""
+    if not prog.uneven:
+        return None
+    specs = {}
+    for n in prog.global_graph.graph.nodes:
+        s = info(n).spec
+        for x in s if isinstance(s, tuple) else (s,):
+            if x is not None and hasattr(x, "levels") and not is_even(x):
+                specs[n.name] = x
+                break
+    worst = 1.0
+    for s in specs.values():
+        share = math.prod(s.shape) / s.num_shards
+        if share:
+            big = max(math.prod(s.local_shape(c)) for c in mesh_coords(s.mesh.shape))
+            worst = max(worst, big / share)
+    colls = prog.collectives()
+    return {
+        "values": len(specs),
+        "largest_shard_vs_even": round(worst, 3),
+        "graphs": [[list(c) for c in g] for g in prog.local_shape_classes()],
+        "padding_bytes": {
+            ph: sum(c.padding for c in colls if c.phase == ph) for ph in ("forward", "backward")
+        },
+    }
+
+
+def _uneven_lines(prog) -> list[str]:
+    u = uneven_summary(prog)
+    if u is None:
+        return []
+    groups = " | ".join(",".join(str(tuple(c)) for c in g) for g in u["graphs"])
+    pad = ", ".join(f"{ph} {b} B" for ph, b in u["padding_bytes"].items() if b)
+    return [
+        f"uneven: {u['values']} values split unevenly (torch.chunk layout); the largest shard is "
+        f"{u['largest_shard_vs_even']}x an even share; {len(u['graphs'])} per-rank graphs "
+        f"(ranks by local shapes: {groups}); collective padding per step: {pad or 'none'}"
+    ]
 
 
 @dataclass
@@ -81,8 +148,18 @@ def _consumer(n):
     return n
 
 
+def _paddings(prog: ShardedProgram) -> dict[str, list[int]]:
+    """{redistribute node: the padding bytes of each of its collectives} (uneven programs)."""
+    out: dict[str, list[int]] = {}
+    for c in prog.collectives():
+        for planned in c.carries:
+            out.setdefault(planned.node, []).append(planned.padding)
+    return out
+
+
 def node_rows(prog: ShardedProgram, verbose: bool = False) -> list[Row]:
     rows = []
+    pads = _paddings(prog) if prog.uneven else {}
     for n in prog.global_graph.graph.nodes:
         rec = info(n)
         if n.op == "output":
@@ -93,6 +170,8 @@ def node_rows(prog: ShardedProgram, verbose: bool = False) -> list[Row]:
                 (step.collective, step.mesh_dims, nbytes, round(step.cost, 2))
                 for step, nbytes in plan.collective_bytes()
             ]
+            if n.name in pads and len(pads[n.name]) == len(colls):
+                colls = [(*c, pad) if pad else c for c, pad in zip(colls, pads[n.name])]
             first = next(iter(n.users))
             if info(first).kind == "boundary" and info(first).provenance != "passthrough":
                 why = info(first).provenance  # the plan entry that asked for it
@@ -195,7 +274,11 @@ def fold(rows: list[Row]) -> list[Row]:
 
 
 def _fmt_colls(colls) -> str:
-    return "; ".join(f"{k}{list(d)} {b}B {c:.2f}us" for k, d, b, c in colls)
+    # (kind, mesh dims, bytes, us[, padding bytes of an uneven shard's collective])
+    return "; ".join(
+        f"{c[0]}{list(c[1])} {c[2]}B" + (f" +{c[4]}B pad" if len(c) > 4 else "") + f" {c[3]:.2f}us"
+        for c in colls
+    )
 
 
 def summary(prog: ShardedProgram, phase: str | None = None) -> dict:
@@ -260,6 +343,7 @@ def explain(prog: ShardedProgram, verbose: bool = False, format: str = "text") -
         lines.append("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip())
     lines.append("")
     lines += _phase_lines(prog)
+    lines += _uneven_lines(prog)
     for w in prog.warnings:
         lines.append(f"fallback: {w}")
     for m in missed_fusions(prog):
@@ -307,6 +391,7 @@ def to_json(prog: ShardedProgram, verbose: bool = False) -> str:
             "summary": summary(prog),
             "phases": {ph: summary(prog, ph) for ph in ("forward", "backward")},
             "fallbacks": list(prog.warnings),
+            "uneven": uneven_summary(prog),
         },
         indent=1,
     )

@@ -356,11 +356,15 @@ def dtensor_backend(rank, world):
         collectives=_kinds(_compiled_since(n0)),
         err=float((y.full_tensor() - (torch.relu(x) * 2 + 1)).abs().max()),
     )
-    # an uneven DTensor (7 rows on the ranks): made global at entry (logged), still exact
+    # an uneven DTensor (7 rows on the ranks): its uneven shards run as they are, no collective
     x7 = torch.randn(7, 6)
+    n0 = len(compiled_programs())
     y = f(distribute_tensor(x7, dm, [Shard(0)]))
     out["uneven"] = dict(
-        type=type(y).__name__, err=float((y.full_tensor() - (torch.relu(x7) * 2 + 1)).abs().max())
+        type=type(y).__name__,
+        local_rows=tuple(y.to_local().shape),
+        collectives=_kinds(_compiled_since(n0)),
+        err=float((y.full_tensor() - (torch.relu(x7) * 2 + 1)).abs().max()),
     )
     # a DTensor sharded on its last dim into a rowwise layer: its shard is the layer's input shard
     torch._dynamo.reset()
@@ -579,5 +583,62 @@ def dtensor_state(rank, world, path):
         worst=max(errs, key=errs.get),
         norms=norms,
         grad_type=type(next(pm.parameters()).grad).__name__,
+    )
+    return out
+
+
+# ---- uneven shards (tests/test_uneven.py) --------------------------------------------------------
+def uneven_model(rank, world, steps=2):
+    """zoo.uneven_config's Llama (vocabulary 1001, 6 heads, ffn 250) on ``world`` gloo ranks with
+    the vocab-parallel plan, Inductor-compiled: this rank's output shard of a compiled forward
+    program; SGD steps through torch.compile(backend="fxshard") under loss.backward(); and
+    fxshard.parallelize's DTensor parameters against torch's own uneven layout."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ref = zoo.init_weights(zoo.Llama(zoo.uneven_config()), seed=0)
+    tokens = torch.randint(0, 1001, (2, 8), generator=torch.Generator().manual_seed(1))
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    with torch.no_grad():
+        want = ref(tokens)
+        prog = fxshard.shard(ref, dm, zoo.vocab_parallel_plan(), example_inputs=(tokens,))
+        fn = prog.compile()
+        got = fn(tokens)
+        spec = fn.output_specs[0]
+        out["program"] = dict(
+            uneven=prog.uneven,
+            local=tuple(got.shape),
+            err=_rel(got, spec.local_of(want, fn.coord_ints)),
+        )
+    model = copy.deepcopy(ref)
+    torch._dynamo.reset()
+    f = torch.compile(
+        model, backend="fxshard", options={"mesh": dm, "plan": zoo.vocab_parallel_plan()}
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    losses = []
+    for _ in range(steps):
+        for call, opt in zip((ref, f), opts):
+            opt.zero_grad()
+            loss = call(tokens).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    out["train"] = dict(
+        losses=losses,
+        rel=max(_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())),
+    )
+    pm = fxshard.parallelize(copy.deepcopy(ref), dm, zoo.vocab_parallel_plan())
+    emb = pm.state_dict()["tok_embeddings.weight"]
+    torchs = distribute_tensor(ref.tok_embeddings.weight.detach(), dm, [Shard(0)])
+    with torch.no_grad():
+        y = pm(tokens)
+    out["parallelize"] = dict(
+        local_rows=emb.to_local().shape[0],
+        same_as_torch=bool(torch.equal(emb.to_local(), torchs.to_local())),
+        err=_rel(y, ref(tokens).detach()),
     )
     return out

@@ -372,6 +372,8 @@ def test_parameter_shards_are_cached_and_refreshed():
     calls = []
 
     class Fake:
+        coord_ints = (1,)
+
         def local_of(self, t, s):
             calls.append(t)
             return s.local_of(t, (1,))

@@ -25,6 +25,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import fxshard
+from fxshard.core.spec import placements_str
+from fxshard.ir import info
 
 M1_2 = fxshard.MeshSpec((2,))
 M1_4 = fxshard.MeshSpec((4,))
@@ -140,11 +142,18 @@ def test_plain_callable_with_explicit_placements():
     torch.testing.assert_close(prog.simulate(x), f(x), rtol=1e-5, atol=1e-5)
 
 
-def test_uneven_model_falls_back_with_warnings(caplog):
+def test_uneven_model_shards_as_planned(caplog):
+    """Features 10 -> 14 -> 10 on 4 ranks: the plan's placements, unevenly (torch.chunk's layout:
+    14 rows as 4, 4, 4, 2), the even program's one all-reduce, and no fallback."""
     with caplog.at_level(logging.WARNING, logger="fxshard"):
         prog = check(UnevenMLP(), mlp_plan(), M1_4, inputs=(torch.randn(3, 5, 10),))
-    assert any("does not divide evenly" in w for w in prog.warnings)
-    assert "fc1.weight" in caplog.text
+    assert not prog.warnings and "replicat" not in caplog.text
+    assert prog.uneven and counts(prog) == Counter({"all_reduce": 1})
+    by_fqn = {info(p).fqn: info(p).spec for p in prog.placeholders if info(p).fqn}
+    w1 = by_fqn["fc1.weight"]
+    assert placements_str(w1.placements) == "S(0)"
+    assert [w1.local_shape((r,)) for r in range(4)] == [(4, 10)] * 3 + [(2, 10)]
+    assert placements_str(by_fqn["fc2.weight"].placements) == "S(1)"
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ piece into ``k_m`` chunks, and rank ``c`` on mesh dim ``m`` keeps chunk ``c`` of
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,6 +95,28 @@ def is_even(spec: ShardingSpec) -> bool:
     """Every tensor dim of ``spec`` is split exactly (``levels_divide``)."""
     shape = spec.mesh.shape
     return all(levels_divide(n, lv, shape) for n, lv in zip(spec.shape, spec.levels) if lv)
+
+
+def mesh_coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every mesh coordinate, row-major (the ranks' order)."""
+    return list(itertools.product(*(range(k) for k in mesh_shape)))
+
+
+@lru_cache(maxsize=65536)
+def local_numels(spec: ShardingSpec) -> tuple[int, ...]:
+    """Elements each rank holds (row-major mesh coordinates)."""
+    return tuple(math.prod(spec.local_shape(c)) for c in mesh_coords(spec.mesh.shape))
+
+
+@lru_cache(maxsize=65536)
+def has_empty_shard(spec: ShardingSpec) -> bool:
+    """Some rank holds nothing of a dim that is not empty (torch.chunk leaves the last ranks
+    empty where a dim has fewer chunks of ``ceil(n/k)`` than ranks: 6 over 4 is 2, 2, 2, 0)."""
+    if is_even(spec):
+        return False
+    return any(
+        0 in spec.local_shape(c) and 0 not in spec.shape for c in mesh_coords(spec.mesh.shape)
+    )
 
 
 def placement_str(p: Placement) -> str:

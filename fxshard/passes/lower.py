@@ -5,25 +5,32 @@ tensors: ops run unchanged on shards (that is what their sharding rule guarantee
 of view-like ops become the local shapes of the node's output spec, redistribute nodes expand into
 the planner's executor (functional collectives + waits), and vocab-parallel embeddings become masked
 local lookups.  The rank's mesh coordinate is the graph's first input (an int64 tensor), so one
-graph serves every rank.  Process groups appear by name; ``bind_groups`` swaps the names for a
-concrete ``DeviceMesh``'s.  Every collective of the per-rank graph records the planned step it runs
-(``info(node).carries``).
+graph serves every rank where every shard is even.  A program with uneven shards (torch.chunk's
+layout, as DTensor shards: the last ranks hold less, or nothing) has local shapes that differ by
+rank: it is lowered per rank, with that rank's coordinate baked in (``lower_to_local(coord=)``;
+ranks with the same local shapes get the same graph), and simulated eagerly, every rank's shapes
+at once.  Collectives on uneven shards pad each chunk to the group's largest and trim after, so
+every rank runs the same collectives on the same sizes.  Process groups appear by name;
+``bind_groups`` swaps the names for a concrete ``DeviceMesh``'s.  Every collective of the
+per-rank graph records the planned step it runs (``info(node).carries``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._torch import COLLECTIVE_OPS, Replicate, fake_mode
+from .._torch import COLLECTIVE_OPS, Replicate, fake_mode, per_rank, simulating
 from ..core.cost import CostModel
-from ..core.spec import ShardingSpec, placements_str
+from ..core.spec import ShardingSpec, is_even, local_extent, mesh_coords, placements_str
 from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
-from ..planner import plan_between
+from ..planner import plan_in_program, plan_is_even
 from ..planner.execute import MeshGroups, execute_plan
 from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
 
@@ -112,9 +119,17 @@ class PlaceholderGroups:
         return "fxshard_mesh_dims_" + "_".join(map(str, key))
 
 
-def local_shape(spec: ShardingSpec) -> tuple[int, ...]:
-    # even shardings only (annotate guarantees it): every rank has the shape of rank 0
-    return spec.local_shape((0,) * spec.mesh.ndim)
+def local_shape(spec: ShardingSpec, coord=None) -> tuple:
+    """The local shape of ``spec`` on the rank at ``coord`` (ints; per-rank SymInts when
+    simulating, giving per-rank sizes).  Without a coordinate the shards must be even (every rank
+    has rank 0's shape)."""
+    if coord is None:
+        return spec.local_shape((0,) * spec.mesh.ndim)
+    return per_rank(spec.local_shape)(coord)
+
+
+def _traced(coord) -> bool:
+    return isinstance(coord, torch.Tensor)
 
 
 class _LocalInterpreter(fx.Interpreter):
@@ -123,6 +138,10 @@ class _LocalInterpreter(fx.Interpreter):
         self.groups = groups
         self.coord = coord
         self.device = device
+
+    def local_shape(self, spec: ShardingSpec) -> tuple:
+        # traced with a coordinate tensor: a rank-agnostic (even) program
+        return local_shape(spec, None if _traced(self.coord) else self.coord)
 
     def run_node(self, n):
         rec = info(n)
@@ -135,12 +154,16 @@ class _LocalInterpreter(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             i = _SIZE_ARG_OPS[n.target]
             args = list(args)
-            args[i] = list(local_shape(rec.spec))
+            args[i] = list(self.local_shape(rec.spec))
             if n.target is aten.new_empty_strided.default:
                 args[i + 1] = _local_strides(args[i + 1], args[i])
             if n.target in (aten.view.default, aten._unsafe_view.default):
                 # The global graph only views where the global layout allows it; local kernels (e.g.
                 # attention on shards) may return other strides, so let reshape copy when it must.
+                if simulating() and not _traced(self.coord):
+                    # simulated ranks of different local shapes: the wrapper's strides are not
+                    # every rank's, so reshape could pick a view a rank cannot take
+                    args[0] = aten.clone.default(args[0], memory_format=torch.contiguous_format)
                 return aten.reshape.default(*args, **kwargs)
             return n.target(*args, **kwargs)
         if n.op == "call_function" and n.target in _SQUEEZE_DIMS:
@@ -182,7 +205,7 @@ class _LocalInterpreter(fx.Interpreter):
             if not train:
                 return super().run_node(n)
             template = n.args[0].meta["val"]
-            full = torch.zeros(template.shape, dtype=x.dtype, device=x.device)
+            full = self._zeros_like_global(template, x)
             _, mask = aten.native_dropout.default(full, p, train)
             mask = self._shard(mask, rec.spec[1])
             scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
@@ -192,21 +215,58 @@ class _LocalInterpreter(fx.Interpreter):
         for a, v in zip(n.args, args):
             val = a.meta.get("val") if isinstance(a, fx.Node) else None
             glob.append(
-                torch.zeros(val.shape, dtype=v.dtype, device=v.device)
+                self._zeros_like_global(val, v)
                 if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor)
                 else v
             )
         return self._shard(n.target(*glob, **kwargs), rec.spec)
 
+    @staticmethod
+    def _zeros_like_global(val: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        # the global shape is every rank's: built from plain ints, not the local tensor's sizes
+        return torch.zeros(tuple(int(s) for s in val.shape), dtype=local.dtype, device=local.device)
+
     def _shard(self, full: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
         """This rank's shard of a global value every rank holds (local slicing, no collective)."""
         rep = ShardingSpec.make(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
         return execute_plan(
-            plan_between(rep, spec, CostModel(spec.mesh), even_only=True),
+            plan_in_program(rep, spec, CostModel(spec.mesh)),
             full,
             self.groups,
             self.coord,
         )
+
+
+def _specs_of(gm: fx.GraphModule):
+    for n in gm.graph.nodes:
+        rec = info(n)
+        for s in (rec.spec, *(rec.input_specs or ())):
+            for x in s if isinstance(s, tuple) else (s,):
+                if isinstance(x, ShardingSpec):
+                    yield x
+
+
+def is_uneven(gm: fx.GraphModule) -> bool:
+    """Some value of the annotated graph, or some state one of its redistributions passes
+    through, is sharded unevenly: local shapes differ by rank (the program is lowered per rank)."""
+    if not all(is_even(s) for s in _specs_of(gm)):
+        return True
+    return any(
+        not plan_is_even(info(n).plan)
+        for n in gm.graph.nodes
+        if info(n).kind == NodeKind.REDISTRIBUTE
+    )
+
+
+def local_shape_classes(gm: fx.GraphModule, mesh_shape: Sequence[int]) -> list[list[tuple]]:
+    """The mesh coordinates grouped by the local shapes they give every value (ranks of one group
+    run the same per-rank graph)."""
+    specs = list(dict.fromkeys(_specs_of(gm)))
+    groups: dict = {}
+    for coord in mesh_coords(mesh_shape):
+        key = tuple(s.local_shape(coord) for s in specs)
+        groups.setdefault(key, []).append(coord)
+    return list(groups.values())
 
 
 def run_per_rank(gm: fx.GraphModule, groups, coord, local_args: Sequence) -> object:
@@ -222,32 +282,48 @@ def _sharded(spec) -> bool:
 
 def _vocab_parallel_embedding(weight, indices, wspec, coord):
     """Rows outside this rank's vocab slice contribute zeros; the sum over ranks is the lookup."""
-    n = wspec.shape[0]
-    offset = None
-    for m, _sf in wspec.levels[0]:
-        k = wspec.mesh.shape[m]
-        n = n // k
-        term = coord[m] * n
-        offset = term if offset is None else offset + term
+    if _traced(coord):  # even rows: offset = coordinate x rows per rank, as index arithmetic
+        n = wspec.shape[0]
+        offset = None
+        for m, _sf in wspec.levels[0]:
+            k = wspec.mesh.shape[m]
+            n = n // k
+            term = coord[m] * n
+            offset = term if offset is None else offset + term
+    else:  # this rank's first row (uneven rows: torch.chunk's layout; an empty shard: all masked)
+        offset = per_rank(_first_row)(wspec, coord)
     local = indices - offset
     mask = (local < 0) | (local >= weight.shape[0])
-    out = aten.embedding.default(weight, local.masked_fill(mask, 0))
+    # an empty shard (fewer rows than ranks) looks up a zero row instead of indexing nothing
+    table = weight if weight.shape[0] else weight.new_zeros((1, *weight.shape[1:]))
+    out = aten.embedding.default(table, local.masked_fill(mask, 0))
     return out.masked_fill(mask.unsqueeze(-1), 0)
 
 
+def _first_row(wspec: ShardingSpec, coord) -> int:
+    rows = wspec.local_indices(coord, 0)
+    return rows[0] if rows else wspec.shape[0]
+
+
 def lower_to_local(
-    gm: fx.GraphModule, mesh_ndim: int, device: torch.device | str | None = None
+    gm: fx.GraphModule,
+    mesh_ndim: int,
+    device: torch.device | str | None = None,
+    coord: tuple[int, ...] | None = None,
 ) -> fx.GraphModule:
     """The per-rank graph: inputs ``(coord, *local placeholders)``, outputs local shards.
 
     ``device``: where the graph will run (factory ops are moved there); default: where it was
-    captured."""
+    captured.  ``coord``: the rank it is lowered for, baked in (needed where shards are uneven;
+    the graph's coordinate input is then unused); None: one rank-agnostic graph (even shards)."""
     groups = PlaceholderGroups()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     device = torch.device(device) if device is not None else None
+    fixed = tuple(int(c) for c in coord) if coord is not None else None
 
     def run(coord, *args):
-        return _LocalInterpreter(gm, groups, coord, device).run(*args)
+        where = coord if fixed is None else fixed
+        return _LocalInterpreter(gm, groups, where, device).run(*args)
 
     fm = fake_mode(allow_non_fake_inputs=True)
     with fm:
@@ -260,13 +336,13 @@ def lower_to_local(
                 if device is not None
                 else (val.device if isinstance(val, torch.Tensor) else None)
             )
-            fakes.append(torch.empty(local_shape(spec), dtype=spec.dtype, device=where))
+            fakes.append(torch.empty(local_shape(spec, fixed), dtype=spec.dtype, device=where))
     local = make_fx(run, tracing_mode="fake")(*fakes)
     # name the inputs after the global graph's placeholders (the first is the mesh coordinate)
     names = ["mesh_coord"] + [p.name for p in placeholders]
     for node, name in zip([n for n in local.graph.nodes if n.op == "placeholder"], names):
         node.name = node.target = name
-    _record_collectives(local, gm)
+    _record_collectives(local, gm, fixed if fixed is not None else (0,) * mesh_ndim)
     local.graph.lint()
     local.recompile()
     return local
@@ -298,7 +374,38 @@ def planned_collectives(gm: fx.GraphModule) -> list[Collective]:
     return out
 
 
-def _record_collectives(local: fx.GraphModule, gm: fx.GraphModule) -> None:
+def _own_bytes(gm: fx.GraphModule, coord) -> list[float]:
+    """Per collective step, in ``planned_collectives`` order: the bytes of local data the members
+    of ``coord``'s group bring to it, on average (every member's buffer is padded to one size:
+    what it holds beyond its data is padding)."""
+    out = []
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if rec.kind != NodeKind.REDISTRIBUTE:
+            continue
+        plan = rec.plan
+        mesh = plan.src.mesh.shape
+        for step, levels in zip(plan.steps, plan.levels):
+            if not step.collective:
+                continue
+            members = [
+                tuple(
+                    m[step.mesh_dims.index(d)] if d in step.mesh_dims else c
+                    for d, c in enumerate(coord)
+                )
+                for m in itertools.product(*(range(mesh[d]) for d in step.mesh_dims))
+            ]
+            total = 0
+            for member in members:
+                numel = 1
+                for size, lv in zip(plan.src.shape, levels):
+                    numel *= local_extent(size, lv, mesh, member)
+                total += numel
+            out.append(total / len(members) * plan.src.dtype.itemsize)
+    return out
+
+
+def _record_collectives(local: fx.GraphModule, gm: fx.GraphModule, coord: tuple) -> None:
     """Each collective of the per-rank graph carries its planned step: lowering emits them in the
     global graph's order, one functional collective per collective step."""
     planned = planned_collectives(gm)
@@ -308,8 +415,11 @@ def _record_collectives(local: fx.GraphModule, gm: fx.GraphModule) -> None:
             f"fxshard.lower: {len(nodes)} collectives in the per-rank graph for {len(planned)} "
             f"planned"
         )
-    for n, c in zip(nodes, planned):
-        info(n).carries = (c,)
+    own = _own_bytes(gm, coord)
+    for n, c, mine in zip(nodes, planned, own):
+        v = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        sent = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else mine
+        info(n).carries = (dataclasses.replace(c, padding=max(0, round(sent - mine))),)
 
 
 def bind_groups(local: fx.GraphModule, groups: MeshGroups) -> fx.GraphModule:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..core.cost import CostModel
-from ..core.spec import is_even
 from ..ir import NodeKind, flat_outputs, info, redistribute, tensor_args, where
-from ..planner import plan_between
+from ..planner import plan_in_program
 
 
 def _same(a, b) -> bool:
@@ -49,8 +48,8 @@ def insert_redistributes(
                     hub is not None
                     and not _same(hub, want)
                     and not _same(hub, have)
-                    and plan_between(hub, want, cost_model, even_only=True, fuse=fuse).cost
-                    < plan_between(have, want, cost_model, even_only=True, fuse=fuse).cost
+                    and plan_in_program(hub, want, cost_model, fuse=fuse).cost
+                    < plan_in_program(have, want, cost_model, fuse=fuse).cost
                 ):
                     hkey = (arg, hub.placements, hub.levels)
                     if hkey not in cache:
@@ -75,17 +74,9 @@ def _insert(gm, node, arg, have, want, cost_model, fuse) -> fx.Node:
     rr = info(r)
     rr.kind = NodeKind.REDISTRIBUTE
     try:
-        rr.plan = plan_between(have, want, cost_model, even_only=True, fuse=fuse)
+        rr.plan = plan_in_program(have, want, cost_model, fuse=fuse)
     except ValueError as e:
-        uneven = [s for s in (have, want) if not is_even(s)]
-        what = (
-            f"{uneven[0]} of shape {uneven[0].shape} does not divide evenly over mesh "
-            f"{uneven[0].mesh.shape}, and the per-rank program needs even shards: choose "
-            "sizes the mesh divides, or leave that placement to fxshard (it replicates what "
-            "does not divide)"
-            if uneven
-            else str(e)
-        )
+        what = str(e)
         consumer = "the program's output" if node.op == "output" else f"node {node.name}"
         raise ValueError(
             f"fxshard: {arg.name} cannot be moved from {have} to {want} for {consumer}"

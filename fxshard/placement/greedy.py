@@ -18,26 +18,17 @@ import torch
 import torch.fx as fx
 
 from .._torch import tree_map
-from ..core.spec import ShardingSpec, is_even, placements_str
+from ..core.spec import ShardingSpec
 from ..ir import GRAD_TAG, STATE_KINDS, NodeKind, info, tensor_args
 from .problem import PlacementProblem, _val, shape_key
 
 
-def state_placement(
-    problem: PlacementProblem, fqn: str, val: torch.Tensor
-) -> tuple[ShardingSpec, str, str | None]:
-    """(spec, provenance, warning) of a parameter / buffer: the plan's placement on the plan dim,
-    replicated otherwise (and where the plan's placement does not divide the shape evenly)."""
+def state_placement(problem: PlacementProblem, fqn: str, val: torch.Tensor) -> tuple:
+    """(spec, provenance) of a parameter / buffer: the plan's placement on the plan dim,
+    replicated otherwise.  A placement that does not divide the shape is kept, unevenly sharded
+    in torch.chunk's layout as DTensor shards it."""
     opts = problem.state_options(fqn, val)
-    if is_even(opts.requested):
-        return opts.requested, opts.provenance, None
-    warning = (
-        f"{opts.provenance} asks for {placements_str(opts.requested.placements)} on {fqn} of shape "
-        f"{tuple(val.shape)}, which mesh {problem.mesh.shape} does not divide evenly; keeping "
-        f"{fqn} "
-        f"replicated"
-    )
-    return problem.replicated(val), f"replicated (indivisible for {opts.provenance})", warning
+    return opts.requested, opts.provenance
 
 
 class Greedy:
@@ -51,20 +42,10 @@ class Greedy:
         rec = info(node)
         val = node.meta["val"]
         if rec.kind in STATE_KINDS:
-            rec.spec, rec.provenance, warning = state_placement(self.p, rec.fqn, val)
-            if warning:
-                self.p.warn(warning)
+            rec.spec, rec.provenance = state_placement(self.p, rec.fqn, val)
             return
         opts = self.p.placeholder_options(node)
         rec.spec, rec.provenance = opts.requested, opts.provenance
-        if rec.kind == NodeKind.TANGENT or is_even(opts.requested):
-            return
-        self.p.warn(
-            f"input {rec.input_index} ({node.name}) of shape {tuple(val.shape)} does not divide "
-            f"evenly as {opts.requested}; replicating it"
-        )
-        rec.provenance += " -> replicated (indivisible)"
-        rec.spec = self.p.replicated(val)
 
     def boundary(self, node: fx.Node) -> None:
         rec = info(node)
@@ -91,14 +72,7 @@ class Greedy:
             pl = list(src.placements)
             pl[self.p.cons.dim] = want[0]
             spec = self.p.spec(pl, node.meta["val"], what=f"{want[1]} ({rec.tag})")
-            if is_even(spec):
-                rec.spec, rec.provenance = spec, f"{want[1]} ({rec.tag.split(':', 1)[1]})"
-            else:
-                self.p.warn(
-                    f"{want[1]}: {rec.tag} wants {spec}, which does not divide shape "
-                    f"{tuple(node.meta['val'].shape)} evenly; leaving it as {src}"
-                )
-                rec.spec, rec.provenance = src, "passthrough (indivisible)"
+            rec.spec, rec.provenance = spec, f"{want[1]} ({rec.tag.split(':', 1)[1]})"
         rec.input_specs = (rec.spec,)
 
     def getitem(self, node: fx.Node) -> None:

@@ -1,8 +1,8 @@
 """The placement problem, defined once: what each node may be and what each choice costs.
 
 * an op's **legal states**: the (input placements, output placements) pairs its sharding rule
-  allows for these shapes, kept where every shard divides evenly (one rank-agnostic per-rank graph
-  serves every rank) and every output something reads is placed;
+  allows for these shapes (uneven shards included, in torch.chunk's layout as DTensor runs them:
+  the program is then lowered per rank), kept where every output something reads is placed;
 * a placeholder's **options**: what the plan, the user or the data-parallel default asks for, and
   which mesh dims are still free;
 * a planned module boundary's **requirement** on the plan's mesh dim, and the placement a complete
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from .. import rules
 from .._torch import Partial, Placement, Replicate, Shard, flop_count, tree_map
 from ..core.cost import CostModelLike
 from ..core.mesh import MeshSpec
-from ..core.spec import ShardingSpec, is_even
+from ..core.spec import ShardingSpec, has_empty_shard, is_even, local_numels
 from ..ir import (
     BUFFER,
     GRAD_TAG,
@@ -51,7 +52,7 @@ from ..ir import (
     used_outputs,
     where,
 )
-from ..planner import plan_between
+from ..planner import plan_in_program
 from .constraints import PlanConstraints
 
 log = logging.getLogger("fxshard")
@@ -79,10 +80,52 @@ class OutputRequirement:
     role: Role | None = None
 
 
+# ops whose output is new (its shape an argument): nothing of the input's layout carries over
+_FRESH_OUTPUT = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided")
+)
+
+
+def runs_unevenly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
+    """Whether a candidate whose shards may be uneven computes the op's value on every rank.
+    Sharding rules are written for shards of one size; with torch.chunk's uneven layout two things
+    break them, so such candidates are excluded for the op (never a wrong result):
+
+    * a rank whose shard of a non-empty dim is empty (6 heads on 4 ranks: 2, 2, 2, 0): reductions
+      (max, mean), pooling and kernels fail or make up a value on nothing (DTensor's rules ask for
+      at least one element per shard);
+    * an op keeping its elements (a view, reshape, permute, an elementwise op) whose input and
+      output shards hold different counts on some rank: the rule assumed evenly divisible dims
+      (flattening a batch of 2 split 1, 1, 0, 0 with its sequence into rows of ``ceil(32/4)``);
+    * a Partial(avg) output of an unevenly split input: the mean of local means is not the mean.
+    """
+    specs = [s for s in (*ins, *outs) if isinstance(s, ShardingSpec)]
+    if all(is_even(s) for s in specs):
+        return True
+    if any(has_empty_shard(s) for s in specs):
+        return False
+    tin = [s for s in ins if isinstance(s, ShardingSpec)]
+    tout = [s for s in outs if isinstance(s, ShardingSpec)]
+    if any(not is_even(s) for s in tin) and any(
+        isinstance(p, Partial) and p.reduce_op == "avg" for s in tout for p in s.placements
+    ):
+        return False
+    if (
+        len(tin) == 1
+        and len(tout) == 1
+        and node.target not in _FRESH_OUTPUT
+        and math.prod(tin[0].shape) == math.prod(tout[0].shape)
+        and local_numels(tin[0]) != local_numels(tout[0])
+    ):
+        return False
+    return True
+
+
 @dataclass
 class LegalStates:
     """An op's legal states and where they come from: "rule", "factory" (replicated) or
-    "fallback" (no rule, or none that divides evenly: computed replicated, ``why``)."""
+    "fallback" (no rule, or none that applies to these shapes: computed replicated, ``why``)."""
 
     states: list[tuple[tuple, tuple]]  # (input specs, output specs), in the rule's order
     source: str
@@ -195,10 +238,10 @@ class PlacementProblem:
         log.warning("fxshard: %s", msg)
 
     def cost(self, src: ShardingSpec, dst: ShardingSpec) -> float:
-        """Modelled µs of redistributing ``src`` to ``dst`` (even intermediate states only)."""
+        """Modelled µs of redistributing ``src`` to ``dst`` (the plan the program would run)."""
         if src.levels == dst.levels and src.placements == dst.placements:
             return 0.0
-        return plan_between(src, dst, self.cm, even_only=True, fuse=self.multi_dim).cost
+        return plan_in_program(src, dst, self.cm, fuse=self.multi_dim).cost
 
     # ---- ops ------------------------------------------------------------------------------------
     def candidates(self, node: fx.Node, placements: Sequence) -> list | str | None:
@@ -219,8 +262,8 @@ class PlacementProblem:
 
     def input_specs_for(self, placements: Sequence, targs: Sequence, cur: Sequence) -> tuple | None:
         """The input specs of a candidate (an input it leaves unplaced keeps ``cur``), or None where
-        one is a Partial other than sum or does not divide evenly (strided shards are kept: a view
-        that merges a sharded dim into an outer one gives one, eager attention's bmm takes it)."""
+        one is a Partial other than sum (strided shards are kept: a view that merges a sharded dim
+        into an outer one gives one, eager attention's bmm takes it)."""
         if len(placements) != len(targs):
             return None  # a rule that places some inputs only would leave the rest where they are
         specs = []
@@ -230,10 +273,7 @@ class PlacementProblem:
                 continue
             if any(isinstance(p, Partial) and type(p) is not Partial for p in plc):
                 return None
-            s = self.spec(plc, _val(a))
-            if not is_even(s):
-                return None
-            specs.append(s)
+            specs.append(self.spec(plc, _val(a)))
         return tuple(specs)
 
     def legal_states(self, node: fx.Node, cur: Sequence[ShardingSpec]) -> LegalStates:
@@ -262,11 +302,9 @@ class PlacementProblem:
                 )
             except ValueError:
                 continue
-            if (
-                specs is None
-                or len(out_specs) != len(outs)
-                or not all(s is None or is_even(s) for s in out_specs)
-            ):
+            if specs is None or len(out_specs) != len(outs):
+                continue
+            if not runs_unevenly(node, specs, out_specs):
                 continue
             if any(
                 s is None and isinstance(v, torch.Tensor) and i in used
@@ -282,7 +320,7 @@ class PlacementProblem:
             return LegalStates(states, "rule")
         if not targs:  # nothing to place (a constant, a profiler call): every rank computes it
             return LegalStates([((), rep_out)], "factory")
-        why = "has no sharding rule" if not cands else "has no even sharding for these shapes"
+        why = "has no sharding rule" if not cands else "has no sharding for these shapes"
         return LegalStates(
             [(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "fallback", why
         )
@@ -310,20 +348,21 @@ class PlacementProblem:
     # ---- placeholders ---------------------------------------------------------------------------
     def data_parallel(self, val: torch.Tensor) -> list:
         """Data-parallel default for a graph input: batch (dim 0) sharded on every non-plan mesh
-        dim."""
+        dim, unevenly where it does not divide (a last batch of 3 on 2 ranks: 2 and 1), but not
+        onto ranks that would get no sample (a batch of 1 stays replicated)."""
         out = [Replicate()] * self.mesh.ndim
         if self.cons.dim is None:  # no plan: inputs not given (None entries too) are replicated
             return out
-        shards = 1
         for m in range(self.mesh.ndim):
             if m == self.cons.dim:
                 continue
-            k = self.mesh.shape[m]
             if self.batch_size is not None and (val.ndim == 0 or val.shape[0] != self.batch_size):
                 break
-            if val.ndim >= 1 and val.shape[0] % (shards * k) == 0:
-                out[m] = Shard(0)
-                shards *= k
+            if val.ndim >= 1:
+                more = list(out)
+                more[m] = Shard(0)
+                if not has_empty_shard(self.spec(more, val)):
+                    out = more
         return out
 
     def state_options(self, fqn: str, val: torch.Tensor) -> PlaceholderOptions:
@@ -393,7 +432,8 @@ class PlacementProblem:
 
     def even_options(self, val: torch.Tensor, fixed: dict | None = None) -> list[ShardingSpec]:
         """Every even (Replicate | Shard(d)) placement per mesh dim, default shard order, with the
-        mesh dims of ``fixed`` ({mesh dim: placement}) as given."""
+        mesh dims of ``fixed`` ({mesh dim: placement}) as given; where none is even (``fixed``
+        itself splits a dim unevenly), every such placement, uneven ones included."""
         per_dim = []
         for m in range(self.mesh.ndim):
             if fixed and m in fixed:
@@ -403,12 +443,11 @@ class PlacementProblem:
         out = []
         for plc in itertools.product(*per_dim):
             try:
-                s = self.spec(plc, val)
+                out.append(self.spec(plc, val))
             except ValueError:
                 continue
-            if is_even(s):
-                out.append(s)
-        return out
+        even = [s for s in out if is_even(s)]
+        return even or out
 
     # ---- boundaries -----------------------------------------------------------------------------
     def boundary_requirement(self, node: fx.Node) -> tuple[object, str] | None:

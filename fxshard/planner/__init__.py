@@ -6,13 +6,23 @@ to many), ``execute`` (running a plan with functional collectives).
 """
 
 from .exhaustive import costs_from, pairwise_costs
-from .plan import RedistributePlan, Step, clear_plan_cache, plan_between, plan_redistribute
+from .plan import (
+    RedistributePlan,
+    Step,
+    clear_plan_cache,
+    plan_between,
+    plan_in_program,
+    plan_is_even,
+    plan_redistribute,
+)
 
 __all__ = [
     "Step",
     "RedistributePlan",
     "plan_redistribute",
     "plan_between",
+    "plan_in_program",
+    "plan_is_even",
     "costs_from",
     "pairwise_costs",
     "clear_plan_cache",

@@ -18,7 +18,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._torch import Partial, Replicate, Shard, StridedShard, placement_kind
 from ..core.cost import CostModel, CostModelLike
 from ..core.mesh import MeshSpec
-from ..core.spec import Levels, ShardingSpec, levels_to_placements, placement_str, placements_str
+from ..core.spec import (
+    Levels,
+    ShardingSpec,
+    is_even,
+    levels_divide,
+    levels_to_placements,
+    placement_str,
+    placements_str,
+)
 from .astar import solve
 from .problem import A2A, AG, AR, MAKE_PARTIAL, RS, SHARD, Move, Problem
 
@@ -201,6 +209,31 @@ def plan_between(
         )
     cm = cost_model or CostModel(src.mesh)
     return (_plan_cached if cache else _plan)(src, dst, cm, even_only, fuse)
+
+
+def plan_in_program(
+    src: ShardingSpec, dst: ShardingSpec, cost_model: CostModel | None = None, fuse: bool = False
+) -> RedistributePlan:
+    """The plan a sharded program runs between two specs.  Between evenly sharded ends every
+    intermediate state stays even too (the program then traces into one rank-agnostic graph); an
+    uneven end (or no even route) lets the plan pass through uneven states, and the program is
+    lowered per rank, with local shapes that differ by rank."""
+    if is_even(src) and is_even(dst):
+        try:
+            return plan_between(src, dst, cost_model, even_only=True, fuse=fuse)
+        except ValueError:
+            pass
+    return plan_between(src, dst, cost_model, even_only=False, fuse=fuse)
+
+
+def plan_is_even(plan: RedistributePlan) -> bool:
+    """Every state the plan passes through shards its tensor evenly."""
+    mesh_shape = plan.src.mesh.shape
+    return all(
+        levels_divide(n, lv, mesh_shape)
+        for levels in plan.levels
+        for n, lv in zip(plan.src.shape, levels)
+    )
 
 
 @lru_cache(maxsize=16384)

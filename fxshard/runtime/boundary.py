@@ -4,22 +4,18 @@ A DTensor argument's placements and shard order become its placeholder's ``Shard
 local tensor is handed to the per-rank program as it is (no communication); an output asked for as
 a DTensor wraps this rank's local result with the program's spec (no gather).  Even shards of any
 placement and shard order line up with DTensor's layout (both cut blocks in mesh-dim order,
-outermost first); an uneven DTensor argument is made global first (``full_tensor``, logged): the
-per-rank programs pad nothing yet.
+outermost first), and uneven ones too: both follow torch.chunk (the last ranks hold less, or
+nothing).
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._torch import dtensor_layout, dtensor_local, fake_mode, is_dtensor, make_dtensor
 from ..core.mesh import MeshSpec
-from ..core.spec import ShardingSpec, is_even
-
-log = logging.getLogger("fxshard")
+from ..core.spec import ShardingSpec
 
 OUTPUTS = ("global", "dtensor")
 
@@ -45,27 +41,12 @@ def check_mesh(dt, device_mesh: DeviceMesh | None, what: str) -> None:
 
 
 def as_program_arg(x, mesh: MeshSpec, what: str):
-    """A call argument as the program takes it: a DTensor the per-rank program can run on as it is,
-    or a plain (global) tensor.  Uneven DTensors are made global (logged once per layout)."""
-    if not is_dtensor(x):
-        return x
-    spec = spec_of(x, mesh, what)
-    if is_even(spec):
-        return x
-    key = (str(spec), spec.shape)
-    if key not in _UNEVEN_SEEN:
-        _UNEVEN_SEEN.add(key)
-        log.warning(
-            "fxshard: %s is an uneven DTensor (%s of shape %s): gathered to its global value at "
-            "entry (an all-gather per call); per-rank programs on uneven shards are not built yet",
-            what,
-            spec,
-            spec.shape,
-        )
-    return x.full_tensor()
-
-
-_UNEVEN_SEEN: set = set()
+    """A call argument as the program takes it: a DTensor (checked to be on the program's mesh),
+    which the per-rank program runs on as it is, uneven shards included, or a plain (global)
+    tensor."""
+    if is_dtensor(x):
+        spec_of(x, mesh, what)
+    return x
 
 
 def local_arg(dt, spec: ShardingSpec, coord, what: str) -> torch.Tensor:

@@ -46,11 +46,15 @@ def agreement_for(
     specs: Sequence[ShardingSpec],
 ) -> Agreement:
     """The ranks' check of ``program`` (``fxshard.runtime.agree``)."""
+    # uneven programs: each rank's graph has its own shapes; the ranks compare the global program
+    # and every value's placements instead
+    graph = (
+        program.global_graph if program.uneven else program.local_graph_on(device_of(device_mesh))
+    )
+    placed = program.all_specs() if program.uneven else [*specs, *program.output_specs]
     return Agreement(
         device_mesh,
-        fingerprint(
-            program.local_graph_on(device_of(device_mesh)), [*specs, *program.output_specs]
-        ),
+        fingerprint(graph, placed),
         options,
         random=uses_random(program.global_graph),
         what=f"the sharded program of {program.name}",
@@ -107,9 +111,12 @@ class CompiledProgram:
         self.coord = torch.tensor(self.coord_ints, dtype=torch.long, device=self.device)
         self.specs = [info(p).spec for p in program.placeholders]
         self.output_specs = program.output_specs
-        local = bind_groups(program.local_graph_on(self.device), group_names(device_mesh))
+        local = bind_groups(
+            program.local_graph_on(self.device, self.coord_ints), group_names(device_mesh)
+        )
         example = [self.coord] + [
-            torch.empty(local_shape(s), dtype=s.dtype, device=self.device) for s in self.specs
+            torch.empty(local_shape(s, self.coord_ints), dtype=s.dtype, device=self.device)
+            for s in self.specs
         ]
         self.inductor = inductor
         self.fn = inductor_compile(local, example) if inductor else local
@@ -199,7 +206,9 @@ class CompiledTraining:
         roles = program.output_roles()
         self.num_fwd = sum(r[0] == "output" for r in roles)
         self.grad_roles = roles[self.num_fwd :]
-        local = bind_groups(program.local_graph_on(self.device), group_names(device_mesh))
+        local = bind_groups(
+            program.local_graph_on(self.device, self.coord_ints), group_names(device_mesh)
+        )
         for n in local.graph.nodes:  # the partitioner tells primals from tangents by name
             if n.op == "placeholder" and n.name == "mesh_coord":
                 n.target = n.name = "primals_mesh_coord"
@@ -341,7 +350,9 @@ class _TrainingStep(torch.autograd.Function):
         tangents = [
             grads[i].contiguous()
             if grads[i] is not None
-            else torch.zeros(local_shape(s), dtype=s.dtype, device=ctx.runner.device)
+            else torch.zeros(
+                local_shape(s, ctx.runner.coord_ints), dtype=s.dtype, device=ctx.runner.device
+            )
             for i, s in ctx.runner.tangents
         ]
         with fail_together(f"the backward of the sharded program of {ctx.runner.program.name}"):

@@ -14,9 +14,17 @@ from .._torch import coordinate_tensor, tree_unflatten
 from ..capture import Captured
 from ..ir import STATE_KINDS, Collective, NodeKind, Role, info, output_roles
 from ..passes.bucket import bucket_collectives
-from ..passes.lower import bind_groups, collective_nodes, lower_to_local, planned_collectives
+from ..passes.lower import (
+    bind_groups,
+    collective_nodes,
+    is_uneven,
+    local_shape_classes,
+    lower_to_local,
+    planned_collectives,
+    run_per_rank,
+)
 from ..placement.problem import modelled_cost
-from ..planner.execute import group_names
+from ..planner.execute import group_names, mesh_coordinate
 from .agree import AgreementOptions
 from .simulate import SimulatedMesh
 
@@ -43,8 +51,9 @@ class ShardedProgram:
         self.warnings = captured.warnings
         self.after_lower = tuple(after_lower)
         self.after_bucket = tuple(after_bucket)
-        self._local: dict = {}  # device (None: where captured) -> per-rank graph
+        self._local: dict = {}  # (device (None: where captured), coordinate) -> per-rank graph
         self.bucketed = 0  # collectives merged into others by bucketing in the per-rank graph
+        self._uneven: bool | None = None
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -62,13 +71,37 @@ class ShardedProgram:
         """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
         return self.local_graph_on(None)
 
-    def local_graph_on(self, device: torch.device | str | None) -> fx.GraphModule:
+    @property
+    def uneven(self) -> bool:
+        """Some value is sharded unevenly (torch.chunk's layout): local shapes differ by rank, and
+        the per-rank graph is lowered for one rank at a time (``local_graph_on(coord=)``)."""
+        if self._uneven is None:
+            self._uneven = is_uneven(self.global_graph)
+        return self._uneven
+
+    def all_specs(self) -> list:
+        """Every node's placement, in graph order (what the ranks compare for an uneven program)."""
+        return [info(n).spec for n in self.global_graph.graph.nodes]
+
+    def local_shape_classes(self) -> list[list[tuple]]:
+        """Mesh coordinates grouped by their local shapes: one per-rank graph per group (a single
+        group when every shard is even)."""
+        return local_shape_classes(self.global_graph, self.mesh.shape)
+
+    def local_graph_on(
+        self, device: torch.device | str | None, coord: Sequence[int] | None = None
+    ) -> fx.GraphModule:
         """The per-rank graph with its factory ops on ``device`` (None: where the program was
-        captured).  Built on first use: lowered, then ``after_lower`` passes, bucketed (up to the
-        config's ``bucket_bytes``), then ``after_bucket`` passes."""
-        key = None if device is None else str(device)
+        captured), for the rank at ``coord`` where shards are uneven (default: the mesh's first
+        rank; ignored where every shard is even: one graph serves every rank).  Built on first use:
+        lowered, then ``after_lower`` passes, bucketed (up to the config's ``bucket_bytes``), then
+        ``after_bucket`` passes."""
+        at = None
+        if self.uneven:
+            at = tuple(int(c) for c in coord) if coord is not None else (0,) * self.mesh.ndim
+        key = (None if device is None else str(device), at)
         if key not in self._local:
-            local = lower_to_local(self.global_graph, self.mesh.ndim, device=device)
+            local = lower_to_local(self.global_graph, self.mesh.ndim, device=device, coord=at)
             self._run(self.after_lower, local)
             if self.config.bucket_bytes:
                 self.bucketed = bucket_collectives(local, self.config.bucket_bytes)
@@ -117,7 +150,9 @@ class ShardedProgram:
         for n in collective_nodes(self.local_graph):
             planned = info(n).carries
             if len(planned) == 1:
-                out.append(Collective(*_fields(planned[0]), carries=planned))
+                out.append(
+                    Collective(*_fields(planned[0]), carries=planned, padding=planned[0].padding)
+                )
                 continue
             first = planned[0]
             nbytes = sum(c.bytes for c in planned)
@@ -133,6 +168,7 @@ class ShardedProgram:
                     first.transition,
                     first.phase,
                     planned,
+                    sum(c.padding for c in planned),
                 )
             )
         return out
@@ -272,15 +308,24 @@ class ShardedProgram:
         return (tuple(structure) if isinstance(structure, list) else structure), grads
 
     def simulate_placeholders(self, values: Sequence) -> list:
-        """Simulate on the global value of every placeholder (parameters included); flat outputs."""
+        """Simulate on the global value of every placeholder (parameters included); flat outputs.
+
+        Even programs run their per-rank graph; uneven ones (local shapes differ by rank) run the
+        lowering's interpreter eagerly, every rank's shapes at once (the per-rank graphs are that
+        interpreter traced for one rank; ``after_lower`` passes and bucketing are not applied)."""
         # lower outside the simulation (tracing must not see LocalTensorMode)
-        unbound = self.local_graph
+        unbound = None if self.uneven else self.local_graph
         with SimulatedMesh(self.mesh.shape, self.mesh.names) as sim:
-            local = bind_groups(unbound, group_names(sim.device_mesh))
+            groups = group_names(sim.device_mesh)
             args = [
                 sim.distribute(v.detach(), info(p).spec) for p, v in zip(self.placeholders, values)
             ]
-            outs = local(coordinate_tensor(sim.device_mesh), *args)
+            if unbound is None:
+                outs = run_per_rank(
+                    self.global_graph, groups, mesh_coordinate(sim.device_mesh), args
+                )
+            else:
+                outs = bind_groups(unbound, groups)(coordinate_tensor(sim.device_mesh), *args)
             flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             return [
                 sim.assemble(o, s) if s is not None else o for o, s in zip(flat, self.output_specs)

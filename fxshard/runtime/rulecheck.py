@@ -43,11 +43,12 @@ from .._torch import (
 )
 from ..core.cost import CostModel
 from ..core.mesh import MeshSpec
+from ..core.spec import ShardingSpec, is_even
 from ..ir import info
 from ..passes.lower import run_per_rank
 from ..placement.constraints import resolve_plan
 from ..placement.problem import PlacementProblem
-from ..planner.execute import group_names
+from ..planner.execute import group_names, mesh_coordinate
 from ..rules import excluded
 from .simulate import SimulatedMesh
 
@@ -312,9 +313,11 @@ def _run_state(sim, gm, node, tensors, in_specs, out_specs, outs) -> str | None:
             for i, (t, s) in enumerate(zip(tensors, in_specs))
         ]
         torch.manual_seed(0)
-        got = run_per_rank(
-            gm, group_names(sim.device_mesh), coordinate_tensor(sim.device_mesh), local
-        )
+        # even shards: the rank-agnostic coordinate tensor, as the per-rank graph takes it; uneven
+        # ones: per-rank coordinates, so that every rank gets its own local shapes
+        even = all(is_even(s) for s in (*in_specs, *out_specs) if isinstance(s, ShardingSpec))
+        coord = coordinate_tensor(sim.device_mesh) if even else mesh_coordinate(sim.device_mesh)
+        got = run_per_rank(gm, group_names(sim.device_mesh), coord, local)
         got = list(got) if isinstance(got, (tuple, list)) else [got]
         for i, (g, s, want) in enumerate(zip(got, out_specs, outs)):
             if s is None or not isinstance(want, torch.Tensor):

@@ -26,9 +26,9 @@ import torch
 import torch.fx as fx
 
 from ..._torch import is_strided_shard
-from ...core.spec import ShardingSpec, placements_str
+from ...core.spec import ShardingSpec, is_even, placements_str
 from ...ir import BOUNDARY, BUFFER, CONSTANT, PARAM, NodeKind, flat_outputs, info, tensor_args
-from ...planner import costs_from, pairwise_costs, plan_between
+from ...planner import costs_from, pairwise_costs, plan_in_program
 from ..problem import PlacementProblem, _val, compute_us, local_bytes
 from .options import AutoInfeasible, AutoOptions, AutoReport
 from .sharing import shared_nodes
@@ -132,7 +132,7 @@ class FactorGraph:
         if sa.levels == sb.levels and sa.placements == sb.placements:
             return 0.0
         try:
-            return plan_between(sa, sb, self.cm, even_only=True, fuse=self.fuse).cost
+            return plan_in_program(sa, sb, self.cm, fuse=self.fuse).cost
         except (ValueError, NotImplementedError):
             return INF
 
@@ -145,17 +145,17 @@ class FactorGraph:
         group = self._by_shape.get((sa.shape, sa.dtype), [])
         try:
             if not any(b in self._searched for b in group):
-                table = pairwise_costs(
-                    [self.specs[b] for b in group], self.cm, even_only=True, fuse=self.fuse
-                )
+                specs = [self.specs[b] for b in group]
+                # even intermediate states where every placement of the value is even (what the
+                # program's plans keep to); a value with uneven placements is planned freely
+                table = pairwise_costs(specs, self.cm, even_only=_all_even(specs), fuse=self.fuse)
                 self._searched.update(group)
                 self._tables[(sa.shape, sa.dtype)] = ({b: i for i, b in enumerate(group)}, table)
                 return
             self._searched.add(a)
             others = [b for b in group if b != a]
-            costs = costs_from(
-                sa, [self.specs[b] for b in others], self.cm, even_only=True, fuse=self.fuse
-            )
+            dsts = [self.specs[b] for b in others]
+            costs = costs_from(sa, dsts, self.cm, even_only=_all_even([sa, *dsts]), fuse=self.fuse)
         except (ValueError, NotImplementedError):
             self._searched.add(a)
             return  # pair by pair (unreachable targets cost INF there)
@@ -383,6 +383,8 @@ class FactorGraph:
                 if self.anchored:
                     avail = self._available(n.args[0])
                     opts = [s for s in opts if s == rec.spec or self.spec_id.get(s) in avail]
+                    if rec.spec not in opts:  # the anchor's own (an uneven one is not offered)
+                        opts.append(rec.spec)
                 v = self._new_var(n, [((self.sid(s),), (self.sid(s),)) for s in opts])
                 self.provenance[v] = f"{want[1]} ({tag.split(':', 1)[1]})" + (
                     "" if self.anchored else " + auto"
@@ -460,9 +462,10 @@ class FactorGraph:
             and all(i in hit[0] for i in in_ids)
         ):
             pos, t = hit
-            o, i = torch.tensor(out_ids), torch.tensor(in_ids)
-            sub = t[torch.tensor([pos[a] for a in out_ids])][
-                :, torch.tensor([pos[b] for b in in_ids])
+            long = torch.long
+            o, i = torch.tensor(out_ids, dtype=long), torch.tensor(in_ids, dtype=long)
+            sub = t[torch.tensor([pos[a] for a in out_ids], dtype=long)][
+                :, torch.tensor([pos[b] for b in in_ids], dtype=long)
             ]
             return sub.masked_fill(o[:, None] == i[None, :], 0.0)
         uo = sorted(set(out_ids))
@@ -696,3 +699,7 @@ class FactorGraph:
                         specs.append(self.p.reduced(info(o).spec))
                 rec.input_specs = tuple(specs)
                 rec.provenance = "outputs (auto)"
+
+
+def _all_even(specs) -> bool:
+    return all(is_even(s) for s in specs)
