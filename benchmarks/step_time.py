@@ -11,11 +11,15 @@ included; DTensor: its eager step's collective inputs).  Inductor's FX graph cac
 compiled variants compile cold.  Ratios are against DTensor + torch.compile.  On 2 cores the 4
 ranks share the CPUs, so absolute times are noisy: quote medians and ratios.
 
-``--model uneven``: ``zoo.uneven_config()`` (vocabulary 1001, hidden 96 in 6 heads, ffn 250: no
-dim but the sequence divides by 4) with the vocab-parallel plan, the same for both.
+``--model uneven``: ``zoo.uneven_config()`` (vocabulary 1001: 251 x 3 + 248 rows on 4 ranks,
+hidden 96 in 6 heads, ffn 250) with the vocab-parallel plan, the same plan for all; ``--heads``
+and ``--ffn`` change it.  torch's styles hand the model local tensors, so DTensor runs only what
+divides but the vocabulary: a ``view(b, s, -1, head_dim)`` needs whole heads per rank (6 heads
+are 1.5 per rank), and ``RowwiseParallel`` reads a 63-wide local ffn shard as a quarter of 252;
+its rows then say why it fails.  ``--heads 8 --ffn 256`` is the model all three run.
 
     python benchmarks/step_time.py [--ranks 4] [--steps 20] [--batch 8] [--seq 64]
-    python benchmarks/step_time.py --model uneven [--layers 2]
+    python benchmarks/step_time.py --model uneven [--heads 8 --ffn 256] [--layers 2]
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
     from fxshard.backend import compiled_programs
 
     plan = getattr(zoo, plan_name)
+    outputs = "dtensor" if plan_name == "vocab_parallel_plan" else "global"
     torch.manual_seed(0)
     cfg = zoo.LlamaConfig(**cfg_kw)
     base = zoo.init_weights(zoo.Llama(cfg), seed=0)
@@ -94,7 +99,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.no_grad():
         ref = base(tokens)
-    made, counts, nbytes = {}, {}, {}
+    made, counts, nbytes, failed = {}, {}, {}, {}
 
     def build(label, make):  # compile (first call) one at a time, every rank together
         import torch._inductor.config as inductor_config
@@ -104,12 +109,16 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
         n0 = len(compiled_programs())
         dist.barrier()
         t = time.perf_counter()
-        fn = make()
-        with (
-            torch.no_grad(),
-            inductor_config.patch(post_grad_custom_post_pass=counter, fx_graph_cache=False),
-        ):
-            out = fn(tokens)
+        try:
+            fn = make()
+            with (
+                torch.no_grad(),
+                inductor_config.patch(post_grad_custom_post_pass=counter, fx_graph_cache=False),
+            ):
+                out = fn(tokens)
+        except RuntimeError as e:  # every rank fails alike (the same program on the same shapes)
+            failed[label] = str(e).splitlines()[0][:90]
+            return
         compile_s = time.perf_counter() - t
         counts[label] = (
             counter.n if counter.n or "eager" not in label else _eager_collectives(fn, tokens)
@@ -136,7 +145,9 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
         lambda: torch.compile(
             copy.deepcopy(base),
             backend="fxshard",
-            options={"mesh": dm, "plan": plan()},
+            # the vocab-parallel plan's lm_head keeps its output sharded (use_local_output=False):
+            # fxshard hands it back as a DTensor too
+            options={"mesh": dm, "plan": plan(), "outputs": outputs},
         ),
     )
     # timed round-robin, so that the machine's noise hits all three alike
@@ -157,7 +168,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
         )
         for label, (_, c, e) in made.items()
     }
-    return results
+    return {**{label: dict(failed=why) for label, why in failed.items()}, **results}
 
 
 def main():
@@ -169,6 +180,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--model", choices=("llama", "uneven"), default="llama")
+    ap.add_argument("--heads", type=int, default=6, help="--model uneven: attention heads")
+    ap.add_argument("--ffn", type=int, default=250, help="--model uneven: ffn hidden size")
     args = ap.parse_args()
     import dataclasses
 
@@ -178,8 +191,10 @@ def main():
     if args.model == "uneven":
         base = dataclasses.asdict(zoo.uneven_config())
         cfg = {**base, "n_layers": args.layers, "max_seq_len": max(args.seq, 32)}
-        plan_name, what = "vocab_parallel_plan", "vocab-parallel TP plan (uneven: vocab 1001"
-        what += ", hidden 96 in 6 heads, ffn 250)"
+        cfg.update(n_heads=args.heads, n_kv_heads=args.heads // 2, ffn_hidden=args.ffn)
+        plan_name = "vocab_parallel_plan"
+        what = "vocab-parallel TP plan, uneven: vocab 1001, "
+        what += f"hidden 96 in {args.heads} heads, ffn {args.ffn}"
     else:
         cfg = dict(
             dim=args.dim,
@@ -192,7 +207,8 @@ def main():
         )
         plan_name, what = "megatron_tp_plan", f"hidden {args.dim}, Megatron TP plan"
     per_rank = spawn(args.ranks, worker, cfg, args.batch, args.seq, args.steps, plan_name)
-    labels = list(per_rank[0])
+    order = ("DTensor eager", "DTensor + torch.compile", "fxshard (backend, Inductor)")
+    labels = [label for label in order if label in per_rank[0]]
     anchor = "DTensor + torch.compile"
 
     def med(label, key):
@@ -208,12 +224,18 @@ def main():
         f"{'collectives':>11} {'bytes/rank':>10} "
         f"{'max rel err':>11}"
     )
+    ok = "failed" not in per_rank[0][anchor]
+
+    def vs(label, key):
+        return f"{med(label, key) / med(anchor, key):10.2f}" if ok else f"{'-':>10}"
+
     for label in labels:
+        if "failed" in per_rank[0][label]:
+            print(f"{label:30} fails: {per_rank[0][label]['failed']}")
+            continue
         print(
-            f"{label:30} {med(label, 'step_ms'):9.2f} "
-            f"{med(label, 'step_ms') / med(anchor, 'step_ms'):10.2f} "
-            f"{med(label, 'compile_s'):10.2f} "
-            f"{med(label, 'compile_s') / med(anchor, 'compile_s'):10.2f} "
+            f"{label:30} {med(label, 'step_ms'):9.2f} {vs(label, 'step_ms')} "
+            f"{med(label, 'compile_s'):10.2f} {vs(label, 'compile_s')} "
             f"{per_rank[0][label]['collectives']:11d} "
             f"{max(r[label]['bytes'] for r in per_rank):10d} "
             f"{max(r[label]['rel_err'] for r in per_rank):11.1e}"

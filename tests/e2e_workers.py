@@ -631,14 +631,15 @@ def uneven_model(rank, world, steps=2):
         losses=losses,
         rel=max(_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())),
     )
-    pm = fxshard.parallelize(copy.deepcopy(ref), dm, zoo.vocab_parallel_plan())
+    pm = fxshard.parallelize(copy.deepcopy(ref), dm, zoo.vocab_parallel_plan(), outputs="dtensor")
     emb = pm.state_dict()["tok_embeddings.weight"]
     torchs = distribute_tensor(ref.tok_embeddings.weight.detach(), dm, [Shard(0)])
     with torch.no_grad():
-        y = pm(tokens)
-    out["parallelize"] = dict(
-        local_rows=emb.to_local().shape[0],
-        same_as_torch=bool(torch.equal(emb.to_local(), torchs.to_local())),
-        err=_rel(y, ref(tokens).detach()),
-    )
+        y = pm(tokens)  # the logits' vocab shards as a DTensor (uneven: 251 x 3 + 248)
+        out["parallelize"] = dict(
+            local_rows=emb.to_local().shape[0],
+            same_as_torch=bool(torch.equal(emb.to_local(), torchs.to_local())),
+            logits=(tuple(y.to_local().shape), tuple(y.shape)),
+            err=_rel(y.full_tensor(), ref(tokens)),
+        )
     return out

@@ -232,3 +232,24 @@ def test_uneven_programs_lower_per_rank():
     )  # fmt: skip
     assert not even.uneven and even.collectives()[0].padding == 0
     assert "uneven" not in even.explain()
+
+
+@pytest.mark.slow
+def test_uneven_model_on_gloo_ranks():
+    """4 real gloo ranks, Inductor: the uneven Llama's compiled forward shard, two SGD steps through
+    the backend under loss.backward() (forward and backward), and fxshard.parallelize's DTensor
+    parameters and outputs in torch's own uneven layout, all equal to single device."""
+    import e2e_workers
+
+    from fxshard.runtime.launch import spawn
+
+    for rank, r in enumerate(spawn(4, e2e_workers.uneven_model, timeout=600)):
+        rows = 248 if rank == 3 else 251
+        assert r["program"]["uneven"] and r["program"]["local"] == (2, 8, rows)
+        assert r["program"]["err"] < 1e-5, r
+        a, b, c, d = r["train"]["losses"]
+        assert abs(a - b) < 1e-5 * abs(a) and abs(c - d) < 1e-5 * abs(c), r["train"]
+        assert r["train"]["rel"] < 1e-5, r["train"]
+        p = r["parallelize"]
+        assert p["local_rows"] == rows and p["same_as_torch"], p
+        assert p["logits"] == ((2, 8, rows), (2, 8, 1001)) and p["err"] < 1e-5, p
