@@ -588,15 +588,18 @@ def dtensor_state(rank, world, path):
 
 
 # ---- uneven shards (tests/test_uneven.py) --------------------------------------------------------
-def uneven_model(rank, world, steps=2):
+def uneven_model(rank, world, path, steps=2):
     """zoo.uneven_config's Llama (vocabulary 1001, 6 heads, ffn 250) on ``world`` gloo ranks with
     the vocab-parallel plan, Inductor-compiled: this rank's output shard of a compiled forward
     program; SGD steps through torch.compile(backend="fxshard") under loss.backward(); and
-    fxshard.parallelize's DTensor parameters against torch's own uneven layout."""
+    fxshard.parallelize's DTensor parameters against torch's own uneven layout, DCP checkpoints
+    into and out of a torch parallelize_module model of the same plan."""
     import copy
 
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
 
     ref = zoo.init_weights(zoo.Llama(zoo.uneven_config()), seed=0)
     tokens = torch.randint(0, 1001, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -641,5 +644,27 @@ def uneven_model(rank, world, steps=2):
             same_as_torch=bool(torch.equal(emb.to_local(), torchs.to_local())),
             logits=(tuple(y.to_local().shape), tuple(y.shape)),
             err=_rel(y.full_tensor(), ref(tokens)),
+        )
+    # DCP: torch's uneven shards load into fxshard and fxshard's into torch's
+    plan = zoo.vocab_parallel_plan()
+    theirs = parallelize_module(copy.deepcopy(ref), dm, plan)
+    dcp.save(theirs.state_dict(), checkpoint_id=f"{path}/torch")
+    dcp.save(pm.state_dict(), checkpoint_id=f"{path}/fxshard")
+    mine = fxshard.parallelize(
+        zoo.init_weights(zoo.Llama(zoo.uneven_config()), seed=7), dm, plan, outputs="dtensor"
+    )
+    sd = mine.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/torch")
+    mine.load_state_dict(sd)
+    back = parallelize_module(zoo.init_weights(zoo.Llama(zoo.uneven_config()), seed=8), dm, plan)
+    sd = back.state_dict()
+    dcp.load(sd, checkpoint_id=f"{path}/fxshard")
+    back.load_state_dict(sd)
+    full = {k: v.full_tensor() for k, v in back.state_dict().items() if hasattr(v, "full_tensor")}
+    with torch.no_grad():
+        out["dcp"] = dict(
+            from_torch_err=_rel(mine(tokens).full_tensor(), ref(tokens)),
+            into_torch_err=max(_rel(full[k], v) for k, v in ref.state_dict().items() if k in full),
+            keys=len(full),
         )
     return out

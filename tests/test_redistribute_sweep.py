@@ -13,7 +13,7 @@ from fxshard.core.spec import ShardingSpec
 from fxshard.planner.execute import execute_plan, group_names, mesh_coordinate
 from fxshard.runtime.simulate import SimulatedMesh
 
-MESHES = [(2,), (3,), (4,), (2, 2), (2, 3), (2, 4), (2, 2, 2)]
+MESHES = [(2,), (3,), (4,), (2, 2), (2, 3), (3, 2), (2, 4), (2, 2, 2)]
 SHAPES = [(8, 8), (5, 3), (7, 6, 4), (1, 5)]
 
 

@@ -6,6 +6,7 @@ is lowered per rank where shapes differ (``ShardedProgram.uneven``)."""
 
 import logging
 import random
+import tempfile
 
 import pytest
 import torch
@@ -243,7 +244,9 @@ def test_uneven_model_on_gloo_ranks():
 
     from fxshard.runtime.launch import spawn
 
-    for rank, r in enumerate(spawn(4, e2e_workers.uneven_model, timeout=600)):
+    with tempfile.TemporaryDirectory() as d:
+        results = spawn(4, e2e_workers.uneven_model, d, timeout=600)
+    for rank, r in enumerate(results):
         rows = 248 if rank == 3 else 251
         assert r["program"]["uneven"] and r["program"]["local"] == (2, 8, rows)
         assert r["program"]["err"] < 1e-5, r
@@ -253,3 +256,5 @@ def test_uneven_model_on_gloo_ranks():
         p = r["parallelize"]
         assert p["local_rows"] == rows and p["same_as_torch"], p
         assert p["logits"] == ((2, 8, rows), (2, 8, 1001)) and p["err"] < 1e-5, p
+        d = r["dcp"]  # a torch checkpoint's uneven shards line up with fxshard's, both ways
+        assert d["from_torch_err"] < 1e-5 and d["into_torch_err"] == 0.0 and d["keys"] >= 10, d

@@ -68,7 +68,9 @@ class ShardedProgram:
     # ---- views ----------------------------------------------------------------------------------
     @property
     def local_graph(self) -> fx.GraphModule:
-        """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound)."""
+        """The per-rank graph (process groups named ``fxshard_mesh_dim_<m>`` until bound); where
+        shards are uneven, the mesh's first rank's (``local_graph_on(device, coord)`` for
+        another's)."""
         return self.local_graph_on(None)
 
     @property
@@ -94,8 +96,8 @@ class ShardedProgram:
         """The per-rank graph with its factory ops on ``device`` (None: where the program was
         captured), for the rank at ``coord`` where shards are uneven (default: the mesh's first
         rank; ignored where every shard is even: one graph serves every rank).  Built on first use:
-        lowered, then ``after_lower`` passes, bucketed (up to the config's ``bucket_bytes``), then
-        ``after_bucket`` passes."""
+        lowered, then ``after_lower`` passes, bucketed (up to the config's ``bucket_bytes``; even
+        programs only), then ``after_bucket`` passes."""
         at = None
         if self.uneven:
             at = tuple(int(c) for c in coord) if coord is not None else (0,) * self.mesh.ndim
@@ -103,7 +105,9 @@ class ShardedProgram:
         if key not in self._local:
             local = lower_to_local(self.global_graph, self.mesh.ndim, device=device, coord=at)
             self._run(self.after_lower, local)
-            if self.config.bucket_bytes:
+            # uneven programs are not bucketed: bucketing decides from local sizes and node order,
+            # which differ by rank there, and every rank must run the same collectives
+            if self.config.bucket_bytes and not self.uneven:
                 self.bucketed = bucket_collectives(local, self.config.bucket_bytes)
             self._run(self.after_bucket, local)
             self._local[key] = local
