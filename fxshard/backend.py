@@ -20,7 +20,8 @@ that takes DTensors with DTensor's own semantics: where a DTensor meets the mode
 parameters, run the calls under torch's
 ``torch.distributed.tensor.experimental.implicit_replication()`` (plain tensors count as
 replicated), and every op the frame runs on DTensors needs a DTensor rule for dynamo to trace it
-(fxshard then plans the graph itself).  Uneven DTensor arguments are gathered at entry (logged).
+(fxshard then plans the graph itself).  Uneven DTensor arguments run as they are (DTensor's
+torch.chunk layout is fxshard's).
 
 Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
 first call, with the call's concrete shapes: recompiles on new shapes work, and dynamo's dynamic
@@ -324,7 +325,7 @@ class ShardedGraph:
         )
 
     def _program_args(self, args):
-        """DTensor arguments checked against the program's mesh (uneven ones made global)."""
+        """DTensor arguments checked against the program's mesh."""
         if not any(is_dtensor(a) for a in args):
             return args
         if self.opts.simulate:

@@ -79,12 +79,6 @@ class LlamaConfig:
     rope_theta: float = 10000.0
 
 
-def uneven_config() -> LlamaConfig:
-    """A Llama that no mesh of 4 divides: vocabulary 1001, hidden 96 in 6 heads (3 kv heads), ffn
-    250 (torch.chunk on 4 ranks: 251 x 3 + 248 rows, heads 2, 2, 2, 0, 63 x 3 + 61)."""
-    return LlamaConfig(dim=96, n_layers=2, n_heads=6, n_kv_heads=3, vocab_size=1001, ffn_hidden=250)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -376,3 +370,9 @@ def init_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
     return model
+
+
+def uneven_config() -> LlamaConfig:
+    """A Llama that no mesh of 4 divides: vocabulary 1001, hidden 96 in 6 heads (3 kv heads), ffn
+    250 (torch.chunk on 4 ranks: 251 x 3 + 248 rows, heads 2, 2, 2, 0, 63 x 3 + 61)."""
+    return LlamaConfig(dim=96, n_layers=2, n_heads=6, n_kv_heads=3, vocab_size=1001, ffn_hidden=250)
