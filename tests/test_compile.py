@@ -505,10 +505,8 @@ def test_every_tp_plan_style_of_the_pinned_transformers_is_known():
         styles - set(HF_STYLES) - set(HF_STYLES_NOT_YET)
     )
     model = zoo.MLP()
-    with pytest.raises(NotImplementedError, match="grouped_mm"):
-        fxshard.shard(
-            model, MESH_TP, {"fc1": "moe_tp_experts"}, example_inputs=example_input(model)
-        )
+    with pytest.raises(NotImplementedError, match="expert-parallel"):
+        fxshard.shard(model, MESH_TP, {"fc1": "grouped_gemm"}, example_inputs=example_input(model))
 
 
 class FusedMLP(nn.Module):

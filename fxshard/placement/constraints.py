@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,8 @@ from torch.distributed.tensor.parallel import (
 from .._torch import StridedShard
 from ..capture.layers import layer_groups
 from ..core.mesh import MeshSpec
+
+log = logging.getLogger("fxshard")
 
 
 @dataclass
@@ -77,12 +80,14 @@ HF_STYLES = {
     "all_reduce": lambda: PrepareModuleOutput(
         output_layouts=Replicate(), desired_output_layouts=Replicate()
     ),
+    # fused 3-D experts whose weights the plan shards by parameter entries (packed_colwise
+    # gate_up_proj, rowwise down_proj): tokens and routing in replicated, the summed output out
+    "moe_tp_experts": lambda: "moe_tp_experts",
 }
 
 # styles whose layers fxshard has no rules for yet, and what each would need
 HF_STYLES_NOT_YET = {
     "grouped_gemm": "expert-parallel experts (grouped_mm rules and all-to-all token routing)",
-    "moe_tp_experts": "tensor-parallel MoE experts (grouped_mm rules for fused 3-D experts)",
     "ep_router": "expert-parallel routing (data-dependent token dispatch)",
     "megamoe_router": "MegaMoE routing (data-dependent token dispatch)",
     "megamoe_experts": "MegaMoE experts (grouped_mm rules)",
@@ -166,8 +171,14 @@ def resolve_plan(
         )
     dim = plan_dim(mesh, tp_dim)
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # a transformers model's own tp_plan covers every variant of its architecture (dense and MoE
+    # layers): as transformers does, entries that match nothing in this model are skipped
+    own_plan = getattr(model, "tp_plan", None)
+    hf_own = isinstance(own_plan, dict) and bool(own_plan) and dict(plan) == dict(own_plan)
     out = PlanConstraints(dim=dim)
     for pattern, style in plan.items():
+        raw = style if isinstance(style, str) else None
         if isinstance(style, str):
             if style in HF_STYLES_NOT_YET:
                 raise NotImplementedError(
@@ -183,6 +194,21 @@ def resolve_plan(
             style = HF_STYLES[style]()
         # "" is the model itself (a plan for a bare nn.Linear)
         matches = [f for f in modules if (f or not pattern) and _match(pattern, f)]
+        named = [f for f in params if _match(pattern, f)] if not matches else []
+        if named:  # transformers' entries that name parameters (fused 3-D MoE experts)
+            if raw is None:
+                raise ValueError(
+                    f"plan entry {pattern!r} names parameters ({named[0]}, ...): a ParallelStyle "
+                    "applies to a module; give the module's FQN, or a tp_plan string such as "
+                    "'colwise' for the parameter"
+                )
+            for f in named:
+                _apply_param_style(out, f, params[f], raw, f"{pattern}: {raw}")
+            continue
+        if not matches and hf_own:
+            log.info("fxshard: %s's tp_plan entry %r matches nothing here", type(model).__name__,
+                     pattern)  # fmt: skip
+            continue
         if not matches:
             close = difflib.get_close_matches(pattern, [f for f in modules if f], n=5, cutoff=0.5)
             raise ValueError(
@@ -308,6 +334,10 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
                 set_param(name, StridedShard(1, split_factor=2))
             else:
                 set_param(name, Replicate())
+    elif style == "moe_tp_experts":
+        need(1, 1)
+        out.boundaries[f"{fqn}:in:0"] = (Replicate(), prov)
+        out.boundaries[f"{fqn}:out:0"] = (Replicate(), prov)
     elif style == "replicate":
         for name, _ in mod.named_parameters():
             out.params[f"{fqn}.{name}" if fqn else name] = (Replicate(), prov)
@@ -332,6 +362,32 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
                 out.boundaries[f"{fqn}:out:{i}"] = (desired, prov)
     else:
         raise ValueError(f"{prov}: unsupported plan style {style!r}")
+
+
+def _apply_param_style(out: PlanConstraints, fqn: str, param, style: str, prov: str) -> None:
+    """A tp_plan style on one parameter, as transformers shards it: colwise splits the output
+    features (dim -2 of a weight, as of a fused experts' ``[E, out, in]``; a 1-D bias dim 0),
+    rowwise the input features (dim -1; a bias stays replicated), packed styles strided in two
+    (gate and up fused)."""
+    nd = param.ndim
+    if style in ("colwise", "colwise_rep", "colwise_gather_output"):
+        placement = Shard(nd - 2 if nd >= 2 else 0)
+    elif style == "packed_colwise":
+        placement = StridedShard(nd - 2 if nd >= 2 else 0, split_factor=2)
+    elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
+        placement = Shard(nd - 1) if nd >= 2 else Replicate()
+    elif style == "packed_rowwise":
+        placement = StridedShard(nd - 1, split_factor=2) if nd >= 2 else Replicate()
+    elif style == "embedding_rowwise":
+        placement = Shard(0)
+    elif style in ("replicate", "replicated_with_grad_allreduce"):
+        placement = Replicate()
+    else:
+        raise ValueError(
+            f"plan entry for parameter {fqn!r}: tp_plan style {style!r} applies to a module, not "
+            "a parameter"
+        )
+    out.params[fqn] = (placement, prov)
 
 
 def _hint(out: PlanConstraints, fqn, i, layout):

@@ -29,7 +29,9 @@ from .own import (
     VALUE_RANDOM_OPS,
     batch_candidates,
     embedding_candidates,
+    grouped_mm_candidates,
     index_put_candidates,
+    is_grouped_mm,
     pool_candidates,
     sdpa_candidates,
     shape_random_candidates,
@@ -60,6 +62,8 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
     if op == EMBEDDING:
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
+    if is_grouped_mm(op):
+        return grouped_mm_candidates(op, args, kwargs, device_mesh, input_placements)
     if op in VALUE_RANDOM_OPS or op in VALUE_CHECK_OPS or _empty_tensor(args, kwargs):
         # every rank draws the global result; an empty tensor is nothing to split (and DTensor's
         # view rule loops forever on some zero-size shapes)

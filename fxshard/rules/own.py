@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten
 
+from .._torch import StridedShard, is_strided_shard, strided_split_factor
 from .dtensor import dtensor_candidates
 
 aten = torch.ops.aten
@@ -261,6 +262,52 @@ def shape_random_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMes
         ((plc,) * len(tensors), (plc,) * _n_outputs(op))
         for plc in itertools.product(columns, repeat=device_mesh.ndim)
     ]
+
+
+# Grouped matmuls of MoE experts: ``(tokens sorted by expert [S, K], weights [E, K, N], offs [E])``
+# -> [S, N], where expert e multiplies the rows between offs[e-1] and offs[e].  transformers runs
+# its experts through ``aten._grouped_mm`` (bf16) or its own opaque ``grouped_mm_fallback``.
+GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
+
+
+def is_grouped_mm(op) -> bool:
+    return isinstance(op, OpOverload) and op.name() in GROUPED_MM_OPS
+
+
+def grouped_mm_candidates(
+    op: OpOverload, args, kwargs, device_mesh: DeviceMesh, input_placements
+) -> list:
+    """Per mesh dim: every expert's output features sharded (weight dim 2, output dim 1:
+    colwise experts; strided alike where the weight is, as packed gate/up weights are), or the
+    contraction sharded (input dim 1, weight dim 1: rowwise experts, a Partial output), or the
+    input Partial (the product is linear in it).  The tokens and offsets stay replicated: a shard
+    of the sorted tokens would not match the global offsets."""
+    tensors = _tensors(args, kwargs)
+    if len(tensors) < 3 or tensors[0].ndim != 2 or tensors[1].ndim != 3:
+        return []
+    n_extra = len(tensors) - 3  # a bias (aten's [E, N]) follows the output features
+    r, p = Replicate(), Partial("sum")
+    base = [
+        ((r, r, r) + (r,) * n_extra, r),
+        ((r, Shard(2), r) + (Shard(1),) * n_extra, Shard(1)),
+        ((Shard(1), Shard(1), r) + (r,) * n_extra, p),
+    ]
+    if not n_extra:
+        base.append(((p, r, r), p))
+    weight = list(input_placements[1]) if len(input_placements) > 1 else []
+    per_dim = []
+    for m in range(device_mesh.ndim):
+        cols = list(base)
+        w = weight[m] if m < len(weight) else None
+        if is_strided_shard(w) and w.dim in (2, -1):  # packed output features, strided alike
+            out_plc = StridedShard(1, split_factor=strided_split_factor(w))
+            cols.append(((r, w, r) + (out_plc,) * n_extra, out_plc))
+        per_dim.append(cols)
+    out = []
+    for combo in itertools.product(*per_dim):
+        ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(tensors)))
+        out.append((ins, (tuple(c[1] for c in combo),)))
+    return out
 
 
 # index_put: torch 2.11's DTensor rule (a strategy function, before the single-dim rules of 2.12)
