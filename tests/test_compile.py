@@ -543,3 +543,23 @@ def test_tp_plan_styles_match_single_device(plan):
     model(x).sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden", [32, 30], ids=["even", "uneven"])
+def test_packed_colwise_splits_gate_from_up_for_free(hidden):
+    """A packed gate/up weight's output stays strided (as transformers hands it on), so the split
+    into gate and up, and the cat of their gradients, move nothing: the fused MLP runs the one
+    all-reduce forward and one backward, as an unfused one does (30 hidden features: 8, 8, 8, 6
+    of each of gate and up per rank)."""
+    model = init_weights(FusedMLP(hidden=hidden))
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    plan = {"gate_up": "packed_colwise", "down": "rowwise"}
+    prog = fxshard.shard(model, MESH_TP, plan, example_inputs=(x,))
+    assert [c.kind for c in prog.collectives()] == ["all_reduce"]
+    _close(prog.simulate(x), model(x))
+    train = fxshard.shard(model, MESH_TP, plan, example_inputs=(x,), training=True)
+    assert [c.kind for c in train.collectives()] == ["all_reduce", "all_reduce"]
+    _, grads = train.simulate(x, grad_outputs=[torch.ones(4, 8, 16)])
+    model(x).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5)

@@ -83,6 +83,15 @@ _SQUEEZE_DIMS = {
 }
 
 
+_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default})
+
+
+def _splits_sharded_dim(n: fx.Node, rec) -> bool:
+    x = n.args[0].meta["val"]
+    dim = (n.args[2] if len(n.args) > 2 else 0) % max(x.ndim, 1)
+    return bool(rec.input_specs[0].levels[dim])
+
+
 def _squeeze_dims(n: fx.Node) -> list[int]:
     """The dims a squeeze removes in the global program: its dims (all) that are size 1."""
     shape = n.args[0].meta["val"].shape
@@ -166,6 +175,13 @@ class _LocalInterpreter(fx.Interpreter):
                     args[0] = aten.clone.default(args[0], memory_format=torch.contiguous_format)
                 return aten.reshape.default(*args, **kwargs)
             return n.target(*args, **kwargs)
+        if n.target in _SPLITS and rec.input_specs and _splits_sharded_dim(n, rec):
+            # a strided dim split into its pieces (rules.STRIDED_SPLIT_OPS): the local pieces'
+            # sizes, not the global ones
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            dim = (args[2] if len(args) > 2 else 0) % args[0].ndim
+            sizes = [self.local_shape(s)[dim] for s in rec.spec]
+            return aten.split_with_sizes.default(args[0], sizes, dim)
         if n.op == "call_function" and n.target in _SQUEEZE_DIMS:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return _SQUEEZE_DIMS[n.target](args[0], _squeeze_dims(n))

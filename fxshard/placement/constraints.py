@@ -296,12 +296,16 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
                 set_param(name, StridedShard(d, split_factor=2))
             else:
                 set_param(name, Shard(1) if is_emb else Shard(d))
-        if style == "packed_colwise":
+        # packed: the output features stay strided as the weight's (transformers hands them on
+        # as _StridedShard(-1)), so that splitting gate from up costs nothing
+        packed = style == "packed_colwise"
+        if packed:
             style = ColwiseParallel()
         need(1, 1)
         out.boundaries[f"{fqn}:in:0"] = (Replicate(), prov)
         _hint(out, fqn, 0, style.input_layouts[0])
-        out.boundaries[f"{fqn}:out:0"] = (style.output_layouts[0], prov)
+        out_layout = StridedShard(-1, split_factor=2) if packed else style.output_layouts[0]
+        out.boundaries[f"{fqn}:out:0"] = (out_layout, prov)
     elif isinstance(style, RowwiseParallel):
         if not (is_linear or is_emb):
             raise ValueError(

@@ -25,6 +25,8 @@ from .own import (
     SDPA_OPS,
     SHAPE_RANDOM_OPS,
     SQUEEZE_DIMS,
+    STRIDED_CAT,
+    STRIDED_SPLIT_OPS,
     VALUE_CHECK_OPS,
     VALUE_RANDOM_OPS,
     batch_candidates,
@@ -36,6 +38,8 @@ from .own import (
     sdpa_candidates,
     shape_random_candidates,
     squeeze_dims_candidates,
+    strided_cat_candidates,
+    strided_split_candidates,
 )
 from .user import has_rule, register_rule, unregister_rule, user_candidates
 
@@ -78,6 +82,10 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         if op in CONVOLUTION_OPS:
             return batch_candidates(op, args, kwargs, device_mesh)
     found = dtensor_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op in STRIDED_SPLIT_OPS and found is not None:
+        found = found + strided_split_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op == STRIDED_CAT and found is not None:
+        found = found + strided_cat_candidates(args, kwargs, device_mesh, input_placements)
     if found is None:  # ops DTensor rules only in later torch releases
         if op in POOL_OPS:
             return pool_candidates(op, args, kwargs, device_mesh)

@@ -310,6 +310,98 @@ def grouped_mm_candidates(
     return out
 
 
+# split / chunk of a dim strided in sf pieces (packed weights' outputs: gate and up fused), into
+# those sf pieces: each piece is the plain shard of its part (the pieces were cut before the
+# ranks' chunks), so no redistribution is needed; DTensor has no such rule
+STRIDED_SPLIT_OPS = frozenset({aten.split.Tensor, aten.split_with_sizes.default})
+
+
+def _split_pieces(op, args) -> tuple[int, int]:
+    """(dim, number of equal pieces) of a split, (dim, 0) where the pieces differ."""
+    x, size = args[0], args[1]
+    dim = args[2] if len(args) > 2 else 0
+    dim %= max(x.ndim, 1)
+    n = x.shape[dim]
+    if op is aten.split_with_sizes.default:
+        sizes = list(size)
+        return dim, len(sizes) if sizes and len(set(sizes)) == 1 else 0
+    return dim, n // size if size and n % size == 0 else 0
+
+
+def strided_split_candidates(
+    op: OpOverload, args, kwargs, device_mesh: DeviceMesh, input_placements
+) -> list:
+    """The candidates a split into a strided dim's pieces adds (see STRIDED_SPLIT_OPS): those of
+    the input with the strided mesh dims replicated, with the strided placement in and each
+    piece's plain shard out on them."""
+    if not input_placements:
+        return []
+    dim, pieces = _split_pieces(op, args)
+    x_plc = list(input_placements[0])
+    strided = [
+        m
+        for m, p in enumerate(x_plc)
+        if is_strided_shard(p) and p.dim % args[0].ndim == dim and strided_split_factor(p) == pieces
+    ]
+    if not strided:
+        return []
+    plain = [Replicate() if m in strided else p for m, p in enumerate(x_plc)]
+    base = dtensor_candidates(op, args, kwargs, device_mesh, [tuple(plain)]) or []
+    out = []
+    for ins, outs in base:
+        if ins[0] is None or any(not ins[0][m].is_replicate() for m in strided):
+            continue
+        if any(o is None or not o[m].is_replicate() for o in outs for m in strided):
+            continue
+        new_in = tuple(x_plc[m] if m in strided else p for m, p in enumerate(ins[0]))
+        new_outs = tuple(
+            tuple(Shard(dim) if m in strided else p for m, p in enumerate(o)) for o in outs
+        )
+        out.append(((new_in, *ins[1:]), new_outs))
+    return out
+
+
+STRIDED_CAT = aten.cat.default
+
+
+def strided_cat_candidates(args, kwargs, device_mesh: DeviceMesh, input_placements) -> list:
+    """``cat`` of n equal pieces each sharded on the joined dim (the backward of the split
+    above): the result is the dim strided in n, locally the pieces' shards side by side."""
+    tensors = list(args[0])
+    if len(tensors) < 2 or len(input_placements) != len(tensors):
+        return []
+    x = tensors[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % max(x.ndim, 1)
+    if any(t.shape != x.shape for t in tensors):
+        return []
+    sharded = [
+        m
+        for m in range(device_mesh.ndim)
+        if all(
+            isinstance(p[m], Shard) and not is_strided_shard(p[m]) and p[m].dim % x.ndim == dim
+            for p in input_placements
+        )
+    ]
+    if not sharded:
+        return []
+    plain = [tuple(Replicate() if m in sharded else q for m, q in enumerate(p))
+             for p in input_placements]  # fmt: skip
+    base = dtensor_candidates(aten.cat.default, args, kwargs, device_mesh, plain) or []
+    strided = StridedShard(dim, split_factor=len(tensors))
+    out = []
+    for ins, outs in base:
+        if any(i is None or not i[m].is_replicate() for i in ins for m in sharded):
+            continue
+        if outs[0] is None or any(not outs[0][m].is_replicate() for m in sharded):
+            continue
+        new_ins = tuple(
+            tuple(Shard(dim) if m in sharded else q for m, q in enumerate(i)) for i in ins
+        )
+        new_out = tuple(strided if m in sharded else q for m, q in enumerate(outs[0]))
+        out.append((new_ins, (new_out, *outs[1:])))
+    return out
+
+
 # index_put: torch 2.11's DTensor rule (a strategy function, before the single-dim rules of 2.12)
 # keeps self sharded on an indexed dim when values has as many dims as self, which is wrong (the
 # checker finds it); where DTensor has no single-dim rule for it, this one is used instead
