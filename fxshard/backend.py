@@ -433,8 +433,19 @@ class ShardedGraph:
             if r.kind == "mutate"
         }
 
+        # user inputs it updates in place (a static KV cache): input index -> argument
+        input_args = {
+            info(p).input_index: info(p).arg_index
+            for p in prog.placeholders
+            if info(p).kind == INPUT
+        }
+
         def write_back(a, flat):
-            return prog.apply_updates(flat, {f: a[i] for f, i in updated.items()})
+            return prog.apply_updates(
+                flat,
+                {f: a[i] for f, i in updated.items()},
+                {k: a[i] for k, i in input_args.items()},
+            )
 
         def values(a):  # every placeholder's global value: an argument, or a traced constant
             return [

@@ -563,3 +563,34 @@ def test_packed_colwise_splits_gate_from_up_for_free(hidden):
     model(x).sum().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5)
+
+
+class CacheWriter(nn.Module):
+    """A step that writes its new entry into a cache tensor in place (as HF's StaticCache does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, cache, pos):
+        cache.index_copy_(1, pos, self.fc(x))
+        return cache.sum(1)
+
+
+def test_an_input_updated_in_place_is_written_back():
+    """A cache handed in and updated in place (index_copy_ at a position given as a tensor): the
+    caller's tensor holds the new entries after every call, as eagerly, and one program serves
+    every position."""
+    torch.manual_seed(0)
+    model, ref = CacheWriter(), CacheWriter()
+    ref.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    f = _compile(model, MESH_TP, {"fc": "colwise"})
+    n0 = len(compiled_programs())
+    mine, theirs = torch.zeros(2, 6, 8), torch.zeros(2, 6, 8)
+    for t in range(4):
+        x, pos = torch.randn(2, 1, 8), torch.tensor([t])
+        with torch.no_grad():
+            _close(f(x, mine, pos), ref(x, theirs, pos))
+        assert torch.equal(mine, theirs), t
+    assert len(compiled_programs()) - n0 == 1

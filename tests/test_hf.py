@@ -188,6 +188,25 @@ def test_generate(name):
     assert torch.equal(got, want)
 
 
+def test_generate_with_a_static_cache_builds_two_programs():
+    """generate(cache_implementation="static"): the cache tensors are updated in place by the
+    compiled decode step (written back), so one generation builds two programs, prefill and
+    decode, however many tokens it makes (a DynamicCache grows, and every length is a new
+    program); the tokens of single device."""
+    model, plan, _, x, _ = _build("llama")
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    model.compile(backend="fxshard", options={"mesh": MESH, "plan": plan, "simulate": True})
+    mask = torch.ones_like(x)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    n0 = len(compiled_programs())
+    with torch.no_grad():
+        got = model.generate(x, **kw)
+        want = ref.generate(x, **kw)
+    assert torch.equal(got, want)
+    assert len(compiled_programs()) - n0 == 2
+
+
 def test_moe_experts_are_sharded_as_the_tp_plan_says():
     """Mixtral's tp_plan names the fused experts' parameters: gate_up_proj [E, 2I, H] packed
     colwise (gate and up strided on dim 1), down_proj [E, H, I] rowwise (dim 2); the grouped

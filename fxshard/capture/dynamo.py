@@ -155,27 +155,30 @@ def dynamo_sources(gm: fx.GraphModule) -> list[str | None]:
 
 def _state_updates_as_outputs(traced: fx.GraphModule, kinds: Sequence[tuple]) -> None:
     """Functionalization writes a buffer updated in forward back with ``copy_`` into its
-    placeholder: make the new value an output instead (role ``("mutate", fqn)``), which the
-    program hands back and the backend copies into the buffer, as eager PyTorch updates it."""
+    placeholder: make the new value an output instead (role ``("mutate", fqn)``; a user input's:
+    ``("mutate_input", input index)``), which the program hands back and the caller copies into
+    the buffer or input, as eager PyTorch updates it."""
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     fqn = {p: k[1] for p, k in zip(placeholders, kinds) if k[0] in (PARAM, BUFFER)}
+    # user inputs updated in place (a static KV cache's tensors): by their input index
+    inputs = [p for p, k in zip(placeholders, kinds) if k[0] == INPUT]
+    role_of = {p: Role("mutate", f) for p, f in fqn.items()}
+    role_of.update({p: Role("mutate_input", i) for i, p in enumerate(inputs)})
     out = next(n for n in traced.graph.nodes if n.op == "output")
     updates = []
     for n in list(traced.graph.nodes):
         if (
             n.op == "call_function"
             and n.target is torch.ops.aten.copy_.default
-            and n.args[0] in fqn
+            and n.args[0] in role_of
             and not n.users
         ):
-            updates.append((fqn[n.args[0]], n.args[1]))
+            updates.append((role_of[n.args[0]], n.args[1]))
             traced.graph.erase_node(n)
     if not updates:
         return
     flat = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    info(out).roles = tuple(
-        [Role("output", i) for i in range(len(flat))] + [Role("mutate", f) for f, _ in updates]
-    )
+    info(out).roles = tuple([Role("output", i) for i in range(len(flat))] + [r for r, _ in updates])
     out.args = (tuple(flat) + tuple(v for _, v in updates),)
     traced.recompile()
 

@@ -493,6 +493,7 @@ class PlacementProblem:
                         placeholders[Role("mutate", name)] = p
                 elif r.kind == INPUT:
                     placeholders[Role("grad_input", r.input_index)] = p
+                    placeholders[Role("mutate_input", r.input_index)] = p
         out = []
         for i, o in enumerate(flat_outputs(output)):
             if not isinstance(o, fx.Node):
@@ -504,6 +505,14 @@ class PlacementProblem:
                 # a parameter / buffer updated in place: placed like it (the backend wants its
                 # global value back, as it does gradients)
                 out.append(OutputRequirement("like", None, placeholders[role], role))
+                continue
+            if role.kind == "mutate_input":
+                # a user input updated in place (a static KV cache): a DTensor input's new local
+                # shard is written into it (the cache stays sharded between calls); a plain
+                # (global) input gets its new global value
+                given = self._given_input(role.what)
+                spec = given if isinstance(given, ShardingSpec) else self.replicated(val)
+                out.append(OutputRequirement("fixed", spec, placeholders.get(role), role))
                 continue
             # a DTensor input's gradient: placed like it, partial dims reduced (its to_local()'s
             # backward labels the gradient so: a Partial input's gradient is the whole gradient)

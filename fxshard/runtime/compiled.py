@@ -152,7 +152,7 @@ class CompiledProgram:
                     args.append(self.state[rec.fqn])
                 else:
                     args.append(self.local_of(inputs[rec.input_index], spec))
-            return prog.restructure(prog.apply_updates(self.run_local(args), self.state))
+            return prog.restructure(prog.apply_updates(self.run_local(args), self.state, inputs))
 
     def _own_state(self, inputs: Sequence = ()) -> None:
         state = self.program.captured.state

@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import report
-from .._torch import coordinate_tensor, tree_unflatten
+from .._torch import coordinate_tensor, dtensor_local, is_dtensor, tree_unflatten
 from ..capture import Captured
 from ..ir import STATE_KINDS, Collective, NodeKind, Role, info, output_roles
 from ..passes.bucket import bucket_collectives
@@ -236,19 +236,23 @@ class ShardedProgram:
         self.check_inputs(inputs)
         if not self.training:
             flat = self.simulate_placeholders(self.placeholder_values(inputs))
-            return self.restructure(self.apply_updates(flat, self.captured.state))
+            return self.restructure(self.apply_updates(flat, self.captured.state, inputs))
         flat = self.simulate_placeholders(self.placeholder_values(inputs, grad_outputs))
         return self.split_training_outputs(flat)
 
-    def apply_updates(self, flat: list, state: dict) -> list:
+    def apply_updates(self, flat: list, state: dict, inputs: Sequence = ()) -> list:
         """Write the new value of every parameter / buffer the forward updated in place into
-        ``state[fqn]`` (global tensors, or a rank's shards), as eager PyTorch would; returns the
-        other outputs."""
+        ``state[fqn]`` (global tensors, or a rank's shards), and of every user input it updated
+        into ``inputs[i]`` (a DTensor's local shard, or the global tensor), as eager PyTorch would;
+        returns the other outputs."""
         outs = []
         with torch.no_grad():
             for role, value in zip(self.output_roles(), flat):
                 if role.kind == "mutate":
                     state[role.what].copy_(value)
+                elif role.kind == "mutate_input":
+                    target = inputs[role.what]
+                    (dtensor_local(target) if is_dtensor(target) else target).copy_(value)
                 else:
                     outs.append(value)
         return outs
