@@ -258,3 +258,21 @@ def test_uneven_model_on_gloo_ranks():
         assert p["logits"] == ((2, 8, rows), (2, 8, 1001)) and p["err"] < 1e-5, p
         d = r["dcp"]  # a torch checkpoint's uneven shards line up with fxshard's, both ways
         assert d["from_torch_err"] < 1e-5 and d["into_torch_err"] == 0.0 and d["keys"] >= 10, d
+
+
+@pytest.mark.parametrize("rows", [(12, 6), (10, 7)], ids=["even", "uneven"])
+def test_gather_with_a_shorter_index_is_not_split_alike(rows):
+    """``x.gather(1, idx)`` with fewer index rows than ``x`` rows: DTensor's rule splits both along
+    the rows, so each rank would gather from rows its index does not address; those candidates are
+    excluded (inputs split along one dim by one mesh dim must share its size)."""
+    g = torch.Generator().manual_seed(0)
+    x, idx = torch.randn(rows[0], 5, generator=g), torch.randint(0, 5, (rows[1], 2), generator=g)
+
+    def f(x, idx):
+        return x.gather(1, idx) * 2
+
+    prog = fxshard.shard(
+        f, fxshard.MeshSpec((3,)), example_inputs=(x, idx),
+        input_placements=[(Shard(0),), (Shard(0),)], output_placements=[(Shard(0),)],
+    )  # fmt: skip
+    assert torch.equal(prog.simulate(x, idx), f(x, idx))

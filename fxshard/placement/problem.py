@@ -122,6 +122,22 @@ def runs_unevenly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
     return True
 
 
+def shards_align(ins: Sequence) -> bool:
+    """Inputs split along the same tensor dim by the same mesh dim hold matching slices only where
+    that dim has one size in all of them.  DTensor's gather rule shards an input and a shorter
+    index alike on a dim that is not gathered (rows 0-3 of 12 against index rows 0-1 of 6): each
+    rank then gathers from rows its index does not address; such candidates are excluded."""
+    sizes: dict[tuple[int, int], int] = {}
+    for s in ins:
+        if not isinstance(s, ShardingSpec):
+            continue
+        for d, lv in enumerate(s.levels):
+            for m, _sf in lv:
+                if sizes.setdefault((m, d), s.shape[d]) != s.shape[d]:
+                    return False
+    return True
+
+
 @dataclass
 class LegalStates:
     """An op's legal states and where they come from: "rule", "factory" (replicated) or
@@ -304,7 +320,7 @@ class PlacementProblem:
                 continue
             if specs is None or len(out_specs) != len(outs):
                 continue
-            if not runs_unevenly(node, specs, out_specs):
+            if not runs_unevenly(node, specs, out_specs) or not shards_align(specs):
                 continue
             if any(
                 s is None and isinstance(v, torch.Tensor) and i in used
