@@ -8,7 +8,7 @@ local lookups.  The rank's mesh coordinate is the graph's first input (an int64 
 graph serves every rank where every shard is even.  A program with uneven shards (torch.chunk's
 layout, as DTensor shards: the last ranks hold less, or nothing) has local shapes that differ by
 rank: it is lowered per rank, with that rank's coordinate baked in (``lower_to_local(coord=)``;
-ranks with the same local shapes get the same graph), and simulated eagerly, every rank's shapes
+``local_shape_classes`` groups ranks by local shapes), and simulated eagerly, every rank's shapes
 at once.  Collectives on uneven shards pad each chunk to the group's largest and trim after, so
 every rank runs the same collectives on the same sizes.  Process groups appear by name;
 ``bind_groups`` swaps the names for a concrete ``DeviceMesh``'s.  Every collective of the
