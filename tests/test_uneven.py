@@ -276,3 +276,61 @@ def test_gather_with_a_shorter_index_is_not_split_alike(rows):
         input_placements=[(Shard(0),), (Shard(0),)], output_placements=[(Shard(0),)],
     )  # fmt: skip
     assert torch.equal(prog.simulate(x, idx), f(x, idx))
+
+
+# ---- ops a review found failing on uneven shards -------------------------------------------------
+
+
+def _view_bf16(x):
+    return x.view(torch.bfloat16) * 2
+
+
+def _fresh_strided(x):
+    return x.new_empty_strided((5, 4), (4, 1)).fill_(1.0) + x
+
+
+def _take_along(x, i):
+    return torch.take_along_dim(x, i, dim=1)
+
+
+@pytest.mark.parametrize(
+    "fn,inputs,placements",
+    [
+        (_view_bf16, [(4, 5)], [(Shard(1),)]),  # 3, 2 float columns are 6, 4 bf16 ones, not 5, 5
+        (_view_bf16, [(5, 4)], [(Shard(0),)]),
+        (_fresh_strided, [(5, 4)], [(Shard(0),)]),  # local strides of per-rank sizes
+        (_take_along, [(5, 4), "index"], [(Shard(0),), (Shard(0),)]),
+    ],
+    ids=["view-dtype-cols", "view-dtype-rows", "new-empty-strided", "take-along-dim"],
+)
+def test_ops_on_uneven_shards_equal_single_device(fn, inputs, placements):
+    g = torch.Generator().manual_seed(0)
+    xs = [
+        torch.randint(0, 4, (5, 3), generator=g) if s == "index" else torch.randn(s, generator=g)
+        for s in inputs
+    ]
+    for mesh in ((2,), (3,)):
+        prog = fxshard.shard(
+            fn, fxshard.MeshSpec(mesh), example_inputs=tuple(xs), input_placements=placements
+        )
+        torch.testing.assert_close(prog.simulate(*xs), fn(*xs))
+
+
+def test_bf16_grouped_mm_shards_keep_16_byte_rows():
+    """aten._grouped_mm refuses operands whose row stride is not a multiple of 16 bytes: a weight
+    with 32 bf16 output features splits over 2 and 4 ranks, not over 8 or unevenly over 3 (those
+    meshes compute its output another way)."""
+
+    def experts(a, w, offs):
+        return torch._grouped_mm(a, w, offs=offs) * 2
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 32, generator=g).bfloat16()
+    w = torch.randn(2, 32, 32, generator=g).bfloat16()
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    for mesh, dim in (((2,), 2), ((4,), 2), ((8,), 2), ((8,), 1), ((3,), 2)):
+        prog = fxshard.shard(
+            experts, fxshard.MeshSpec(mesh), example_inputs=(a, w, offs),
+            input_placements=[None, (Shard(dim),), None],
+        )  # fmt: skip
+        torch.testing.assert_close(prog.simulate(a, w, offs), experts(a, w, offs))

@@ -119,6 +119,89 @@ def has_empty_shard(spec: ShardingSpec) -> bool:
     )
 
 
+# a reshape group larger than this is not checked index by index (its strided candidates: refused)
+_VIEW_CHECK_LIMIT = 1 << 22
+
+
+def _reshape_groups(a: Sequence[int], b: Sequence[int]) -> list | None:
+    """The dims of shape ``a`` and ``b`` (size-1 dims left out) that a row-major reshape maps onto
+    each other: ``[(a dims, b dims), ...]`` with equal products; None where the sizes do not
+    factor so (they always do for a valid view)."""
+    da = [d for d, n in enumerate(a) if n != 1]
+    db = [d for d, n in enumerate(b) if n != 1]
+    groups, i, j = [], 0, 0
+    while i < len(da) or j < len(db):
+        if i >= len(da) or j >= len(db):
+            return None
+        ga, gb, pa, pb = [da[i]], [db[j]], a[da[i]], b[db[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                if i >= len(da):
+                    return None
+                ga.append(da[i])
+                pa *= a[da[i]]
+                i += 1
+            else:
+                if j >= len(db):
+                    return None
+                gb.append(db[j])
+                pb *= b[db[j]]
+                j += 1
+        groups.append((ga, gb))
+    return groups
+
+
+@lru_cache(maxsize=4096)
+def reshape_keeps_shards(src: ShardingSpec, dst: ShardingSpec) -> bool:
+    """Whether every rank's shard of ``dst`` is its shard of ``src`` reshaped (row-major) to its
+    local shape: what a per-rank view computes.  Checked exactly, on the global indices each rank
+    holds, group by group of the dims the reshape maps onto each other (a mesh dim splitting dims
+    of two groups, or a group too large to check, is refused).  DTensor's view rule is right for
+    plain shards; for strided ones (a merged or split dim whose pieces are strided) it is not
+    always, so fxshard asks this of every strided candidate of a reshape."""
+    if src.partials != dst.partials or math.prod(src.shape) != math.prod(dst.shape):
+        return False
+    mesh = src.mesh.shape
+    if any(lv and n == 1 for s in (src, dst) for n, lv in zip(s.shape, s.levels)):
+        return False
+    groups = _reshape_groups(src.shape, dst.shape)
+    if groups is None:
+        return False
+    owner = {}  # mesh dim -> the group it splits, in src and in dst alike
+    for g, (ga, gb) in enumerate(groups):
+        for side, dims in (("a", ga), ("b", gb)):
+            spec = src if side == "a" else dst
+            for d in dims:
+                for m, _sf in spec.levels[d]:
+                    if owner.setdefault((side, m), g) != g:
+                        return False
+    if {m: g for (s, m), g in owner.items() if s == "a"} != {
+        m: g for (s, m), g in owner.items() if s == "b"
+    }:
+        return False
+    for g, (ga, gb) in enumerate(groups):
+        mdims = sorted(m for (s, m), h in owner.items() if s == "a" and h == g)
+        if not mdims:
+            continue
+        sa, sb = [src.shape[d] for d in ga], [dst.shape[d] for d in gb]
+        if math.prod(sa) > _VIEW_CHECK_LIMIT:
+            return False
+        base = torch.arange(math.prod(sa), dtype=torch.int64)
+        full_a, full_b = base.view(sa), base.view(sb)
+        for sub in itertools.product(*(range(mesh[m]) for m in mdims)):
+            coord = [0] * len(mesh)
+            for m, c in zip(mdims, sub):
+                coord[m] = c
+            ia = [torch.tensor(local_indices(src.shape[d], src.levels[d], mesh, coord)) for d in ga]
+            ib = [torch.tensor(local_indices(dst.shape[d], dst.levels[d], mesh, coord)) for d in gb]
+            got = full_a[torch.meshgrid(*ia, indexing="ij")] if ia else full_a
+            want = full_b[torch.meshgrid(*ib, indexing="ij")] if ib else full_b
+            if got.numel() != want.numel() or not torch.equal(got.reshape(-1), want.reshape(-1)):
+                return False
+    return True
+
+
 def placement_str(p: Placement) -> str:
     k = placement_kind(p)
     if k == "SS":

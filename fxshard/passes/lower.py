@@ -106,7 +106,7 @@ def _local_strides(global_strides, shape) -> list[int]:
     out, step = [0] * len(shape), 1
     for d in reversed(order):
         out[d] = step
-        step *= max(int(shape[d]), 1)
+        step = step * torch.sym_max(shape[d], 1)  # per-rank SymInts under simulation
     return out
 
 

@@ -29,10 +29,24 @@ import torch
 import torch.fx as fx
 
 from .. import rules
-from .._torch import Partial, Placement, Replicate, Shard, flop_count, tree_map
+from .._torch import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    flop_count,
+    is_strided_shard,
+    tree_map,
+)
 from ..core.cost import CostModelLike
 from ..core.mesh import MeshSpec
-from ..core.spec import ShardingSpec, has_empty_shard, is_even, local_numels
+from ..core.spec import (
+    ShardingSpec,
+    has_empty_shard,
+    is_even,
+    local_numels,
+    reshape_keeps_shards,
+)
 from ..ir import (
     BUFFER,
     GRAD_TAG,
@@ -95,9 +109,10 @@ def runs_unevenly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
     * a rank whose shard of a non-empty dim is empty (6 heads on 4 ranks: 2, 2, 2, 0): reductions
       (max, mean), pooling and kernels fail or make up a value on nothing (DTensor's rules ask for
       at least one element per shard);
-    * an op keeping its elements (a view, reshape, permute, an elementwise op) whose input and
-      output shards hold different counts on some rank: the rule assumed evenly divisible dims
-      (flattening a batch of 2 split 1, 1, 0, 0 with its sequence into rows of ``ceil(32/4)``);
+    * an op keeping its bytes (a view, reshape, permute, an elementwise op, a view as another
+      dtype) whose input and output shards hold different bytes on some rank: the rule assumed
+      evenly divisible dims (flattening a batch of 2 split 1, 1, 0, 0 with its sequence into rows
+      of ``ceil(32/4)``; 5 float columns split 3, 2 viewed as 10 bf16 ones split 5, 5);
     * a Partial(avg) output of an unevenly split input: the mean of local means is not the mean.
     """
     specs = [s for s in (*ins, *outs) if isinstance(s, ShardingSpec)]
@@ -115,11 +130,46 @@ def runs_unevenly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
         len(tin) == 1
         and len(tout) == 1
         and node.target not in _FRESH_OUTPUT
-        and math.prod(tin[0].shape) == math.prod(tout[0].shape)
-        and local_numels(tin[0]) != local_numels(tout[0])
+        and _nbytes(tin[0].shape, tin[0].dtype) == _nbytes(tout[0].shape, tout[0].dtype)
+        and _local_nbytes(tin[0]) != _local_nbytes(tout[0])
     ):
         return False
     return True
+
+
+# row-major reshapes of one input: what a rank's view of its shard computes is checked exactly for
+# strided candidates (``reshape_keeps_shards``)
+_RESHAPE_OPS = frozenset(
+    {
+        torch.ops.aten.view.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.reshape.default,
+        torch.ops.aten.view_copy.default,
+    }
+)
+
+
+def reshapes_soundly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
+    """A reshape candidate with a strided shard on either side is kept only where every rank's
+    view of its shard is its shard of the result (DTensor's view rule gets some wrong: a dim split
+    in 2 strided pieces merged with a later one, ``x[4, 120].view(48, 10)``)."""
+    if node.target not in _RESHAPE_OPS or not ins or not outs:
+        return True
+    src, dst = ins[0], outs[0]
+    if not isinstance(src, ShardingSpec) or not isinstance(dst, ShardingSpec):
+        return True
+    if not any(is_strided_shard(p) for p in (*src.placements, *dst.placements)):
+        return True
+    return reshape_keeps_shards(src, dst)
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * (dtype.itemsize if dtype is not None else 1)
+
+
+def _local_nbytes(spec: ShardingSpec) -> tuple[int, ...]:
+    size = spec.dtype.itemsize if spec.dtype is not None else 1
+    return tuple(n * size for n in local_numels(spec))
 
 
 def shards_align(ins: Sequence) -> bool:
@@ -321,6 +371,8 @@ class PlacementProblem:
             if specs is None or len(out_specs) != len(outs):
                 continue
             if not runs_unevenly(node, specs, out_specs) or not shards_align(specs):
+                continue
+            if not reshapes_soundly(node, specs, out_specs):
                 continue
             if any(
                 s is None and isinstance(v, torch.Tensor) and i in used

@@ -304,10 +304,31 @@ def grouped_mm_candidates(
             cols.append(((r, w, r) + (out_plc,) * n_extra, out_plc))
         per_dim.append(cols)
     out = []
+    aligned = op.name() != "aten::_grouped_mm"  # the fallback takes any strides
     for combo in itertools.product(*per_dim):
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(tensors)))
-        out.append((ins, (tuple(c[1] for c in combo),)))
+        if aligned or _keeps_16_byte_rows(tensors[:2], ins[:2], device_mesh.shape):
+            out.append((ins, (tuple(c[1] for c in combo),)))
     return out
+
+
+def _keeps_16_byte_rows(tensors, placements, mesh_shape) -> bool:
+    """aten._grouped_mm wants every operand's row stride a multiple of 16 bytes: a shard of a
+    last-two dim must keep that where the whole tensor has it (bf16 features 32 over 4 ranks: 8
+    each, 16 bytes; over 8 ranks: 4, which the kernel refuses; an uneven split is refused)."""
+    for t, plc in zip(tensors, placements):
+        ways: dict[int, int] = {}
+        for m, p in enumerate(plc):
+            if isinstance(p, Shard) or is_strided_shard(p):
+                d = p.dim % t.ndim
+                ways[d] = ways.get(d, 1) * mesh_shape[m]
+        for d, k in ways.items():
+            if d < t.ndim - 2:
+                continue
+            size = t.shape[d] * t.element_size()
+            if size % 16 == 0 and (t.shape[d] % k or (t.shape[d] // k) * t.element_size() % 16):
+                return False
+    return True
 
 
 # split / chunk of a dim strided in sf pieces (packed weights' outputs: gate and up fused), into
