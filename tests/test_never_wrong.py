@@ -442,3 +442,41 @@ def test_a_packed_projection_viewed_into_heads_equals_single_device():
     )  # fmt: skip
     torch.testing.assert_close(prog.simulate(x), pieces(x))
     assert not prog.collectives()
+
+
+# ---- selects of a Partial value and zeros stay Partial ------------------------------------------
+
+
+class MaskedRowwise(nn.Module):
+    def __init__(self, fill):
+        super().__init__()
+        self.up, self.down, self.fill = nn.Linear(8, 16), nn.Linear(16, 8, bias=False), fill
+
+    def forward(self, x, mask):
+        y = self.down(torch.relu(self.up(x)))  # Partial under a rowwise down
+        if self.fill == "where0":
+            y = torch.where(mask, 0.0, y)
+        elif self.fill == "where_tensor0":
+            y = torch.where(mask, torch.zeros((), dtype=y.dtype), y)
+        elif self.fill == "masked_fill":
+            y = y.masked_fill(mask, 0.0)
+        elif self.fill == "masked_fill_1":  # not a zero: the sum of 1s on every rank is not 1
+            y = y.masked_fill(mask, 1.0)
+        return (y * 2.0).sum(0)
+
+
+@pytest.mark.parametrize("fill", ["where0", "where_tensor0", "masked_fill", "masked_fill_1"])
+def test_a_zero_select_of_a_partial_value_stays_partial(fill):
+    """``where(mask, 0, y)`` / ``y.masked_fill(mask, 0)`` of a Partial ``y`` is Partial (each
+    rank's select of its addend sums to the select of the sum): one all-reduce at the end, after
+    the reduction, not one before the select; a fill that is not 0 must reduce first."""
+    torch.manual_seed(0)
+    model = MaskedRowwise(fill)
+    x, mask = _x(6, 8), _x(6, 1) > 0
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel(output_layouts=Partial())}
+    prog = fxshard.shard(model, M2, plan, example_inputs=(x, mask))
+    torch.testing.assert_close(prog.simulate(x, mask), model(x, mask))
+    reduced = [c for c in prog.collectives() if c.kind == "all_reduce"]
+    assert len(prog.collectives()) == 1 and reduced
+    if fill != "masked_fill_1":
+        assert reduced[0].bytes == 8 * 4, prog.explain()  # the (8,) sum, not the (6, 8) rows

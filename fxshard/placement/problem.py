@@ -163,6 +163,72 @@ def reshapes_soundly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
     return reshape_keeps_shards(src, dst)
 
 
+def _is_zero(a) -> bool:
+    """A value the graph states is 0: a Python 0, or a 0 scalar tensor / zeros factory node."""
+    if isinstance(a, (bool, int, float)):
+        return a == 0
+    if not isinstance(a, fx.Node) or a.op != "call_function":
+        return False
+    aten = torch.ops.aten
+    if a.target in (aten.scalar_tensor.default, aten.full.default):
+        return len(a.args) > 0 and not isinstance(a.args[-1], fx.Node) and a.args[-1] == 0
+    return a.target in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+
+
+_WHERE = frozenset({"aten::where.self", "aten::where.ScalarSelf", "aten::where.ScalarOther"})
+_MASKED_FILL = frozenset({"aten::masked_fill.Scalar", "aten::masked_fill.Tensor"})
+
+
+def zero_filled(node: fx.Node) -> tuple | None:
+    """For a select that puts either a value or 0 (``where(c, x, 0)``, ``where(c, x, y)``,
+    ``x.masked_fill(m, 0)``): per tensor input, its role: "c" (the condition), "x" (a value that
+    may be Partial: the select is linear in it where the condition is replicated), "0" (a zero,
+    replicated); None for other ops.  Expert outputs masked after the down projection are such
+    selects: summed later, they need not be reduced first."""
+    name = node.target.name() if hasattr(node.target, "name") else None
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()):
+        return None  # a sum of bool or integer addends is not the select
+    if name in _WHERE:
+        cond, a, b = (list(node.args) + [None, None, None])[:3]
+        roles = ["c"] + ["0" if _is_zero(v) else "x" for v in (a, b)]
+        kept = [r for v, r in zip((cond, a, b), roles) if isinstance(v, fx.Node)]
+        return tuple(kept) if "x" in kept else None
+    if name in _MASKED_FILL:
+        x, mask, value = (list(node.args) + [None, None, None])[:3]
+        if not _is_zero(value):
+            return None
+        return ("x", "c") + (("0",) if isinstance(value, fx.Node) else ())
+    return None
+
+
+def _partial_selects(found: list, roles: tuple, mesh_ndim: int) -> list:
+    """Candidates of a zero select with its values and output Partial(sum) on mesh dims where the
+    candidate replicates everything (the condition and zeros stay replicated)."""
+    extra = []
+    for ins, outs in found:
+        if len(ins) != len(roles) or len(outs) != 1 or outs[0] is None:
+            continue
+        if any(plc is None for plc in ins):
+            continue
+        free = [
+            m
+            for m in range(mesh_ndim)
+            if all(isinstance(plc[m], Replicate) for plc in (*ins, outs[0]))
+        ]
+        for k in range(1, len(free) + 1):
+            for dims in itertools.combinations(free, k):
+                new_ins = tuple(
+                    _partial_on(plc, dims if r == "x" else ()) for plc, r in zip(ins, roles)
+                )
+                extra.append((new_ins, (_partial_on(outs[0], dims),) + tuple(outs[1:])))
+    return extra
+
+
+def _partial_on(plc: tuple, dims) -> tuple:
+    return tuple(Partial("sum") if m in dims else p for m, p in enumerate(plc))
+
+
 def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * (dtype.itemsize if dtype is not None else 1)
 
@@ -315,15 +381,17 @@ class PlacementProblem:
         (memoised by op, argument shapes and placements); "factory"; None without a rule."""
         args = tree_map(_val, tuple(node.args))
         kwargs = tree_map(_val, dict(node.kwargs))
-        key = (node.target, shape_key(args), shape_key(kwargs), tuple(placements))
+        zeros = zero_filled(node)
+        key = (node.target, shape_key(args), shape_key(kwargs), tuple(placements), zeros)
         if key not in self._candidates:
             try:
-                self._candidates[key] = rules.candidates(
-                    node.target, args, kwargs, self.rules_mesh, placements
-                )
+                found = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
             except Exception as e:  # a rule that raises is treated as no rule, loudly
                 log.debug("rule for %s raised %r", node.target, e)
-                self._candidates[key] = None
+                found = None
+            if zeros is not None and isinstance(found, list):
+                found = found + _partial_selects(found, zeros, self.mesh.ndim)
+            self._candidates[key] = found
         return self._candidates[key]
 
     def input_specs_for(self, placements: Sequence, targs: Sequence, cur: Sequence) -> tuple | None:
