@@ -23,6 +23,7 @@ import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -39,7 +40,8 @@ class CollectiveBytes(TorchDispatchMode):
         kind = name.split("::")[-1].split(".")[0]
         collective = kind.startswith(("all_", "reduce_scatter", "broadcast", "allreduce"))
         if ns in ("_c10d_functional", "c10d_functional", "c10d") and collective:
-            t = next(a for a in args if isinstance(a, torch.Tensor))
+            # c10d's in-place ones (dist.all_reduce) take lists of tensors
+            t = next(a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
             self.bytes += t.numel() * t.element_size()
             self.calls.append(kind)
         return func(*args, **(kwargs or {}))

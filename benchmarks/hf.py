@@ -1,0 +1,177 @@
+"""Hugging Face models under their own ``tp_plan``: fxshard's backend against HF's own tensor
+parallelism, same run, same weights, same inputs.
+
+Per architecture (tiny random-init transformers models built from config, nothing downloaded),
+on ``--ranks`` gloo ranks of this machine (CPU, loopback):
+
+* **HF TP + torch.compile**: transformers' ``apply_tensor_parallelism(model, mesh)`` (the styles
+  its ``from_pretrained(tp_plan="auto")`` installs: DTensor parameters and forward hooks), then
+  ``torch.compile`` (Inductor);
+* **fxshard**: ``torch.compile(model, backend="fxshard", options={"mesh": mesh,
+  "plan": model.tp_plan})``.
+
+Columns: collectives of one forward step (fxshard: its per-rank program; HF: counted at dispatch
+on the compiled step's eager twin, the same collectives), forward step time (median of
+``--repeats`` calls, a barrier before each, the variants alternating; ``use_cache=False``), whether
+the logits equal single device, and greedy ``generate`` tokens/s (``--tokens`` new tokens with a
+static cache: one prefill and one decode program per variant). Ratios are fxshard / HF. On 2 cores
+the ranks share the CPUs: quote medians and ratios.
+
+    python benchmarks/hf.py [--ranks 4] [--archs llama,qwen3,...] [--batch 4] [--seq 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from decode import CollectiveBytes
+
+SIZE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=1024,
+            max_position_embeddings=256, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+MOE = dict(num_experts_per_tok=2, head_dim=32)
+
+
+def build(name):
+    import transformers as T
+
+    torch.manual_seed(0)
+    make = {
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SIZE)),
+        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**SIZE, head_dim=32)),
+        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SIZE, head_dim=32)),
+        "llama_eager": lambda: T.LlamaForCausalLM(
+            T.LlamaConfig(**SIZE, attn_implementation="eager")
+        ),
+        "mixtral": lambda: T.MixtralForCausalLM(
+            T.MixtralConfig(**SIZE, **MOE, num_local_experts=4)
+        ),
+        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
+            T.Qwen3MoeConfig(**SIZE, **MOE, moe_intermediate_size=128, num_experts=4)
+        ),
+    }[name]
+    return make().eval()
+
+
+def worker(rank, world, archs, batch, seq, tokens, repeats):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from fxshard.backend import compiled_programs
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(1, SIZE["vocab_size"], (batch, seq), generator=g)
+    prompt = x[:, :8]
+    gen_kw = dict(
+        attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, do_sample=False,
+        cache_implementation="static", pad_token_id=0,
+    )  # fmt: skip
+    out = {}
+    for name in archs:
+        base = build(name)
+        with torch.no_grad():
+            want = base(x, use_cache=False).logits
+            want_tokens = base.generate(prompt, **gen_kw)
+        row = {}
+        torch._dynamo.reset()
+        hf = apply_tensor_parallelism(copy.deepcopy(base), dm)
+        counter = CollectiveBytes()
+        with torch.no_grad(), counter:
+            hf(x, use_cache=False)
+        hf_calls = len(counter.calls)
+        hf_c = torch.compile(hf)
+        fx_model = copy.deepcopy(base)
+        n0 = len(compiled_programs())
+        fx_c = torch.compile(
+            fx_model, backend="fxshard", options={"mesh": dm, "plan": fx_model.tp_plan}
+        )
+        variants = {"HF TP + torch.compile": hf_c, "fxshard": fx_c}
+        times = {k: [] for k in variants}
+        same = {}
+        with torch.no_grad():
+            for label, m in variants.items():  # first calls: compile
+                dist.barrier()
+                t = time.perf_counter()
+                got = m(x, use_cache=False).logits
+                row[label] = dict(first_s=time.perf_counter() - t)
+                same[label] = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
+            fx_progs = compiled_programs()[n0:]
+            fx_calls = sum(len(p.collectives()) for p in fx_progs)
+            for _ in range(repeats):
+                for label, m in variants.items():
+                    dist.barrier()
+                    t = time.perf_counter()
+                    m(x, use_cache=False)
+                    times[label].append(time.perf_counter() - t)
+            for label in variants:
+                model = hf if label.startswith("HF") else fx_model
+                if label.startswith("HF"):
+                    model.forward = torch.compile(model.forward)
+                else:
+                    model.compile(backend="fxshard", options={"mesh": dm, "plan": model.tp_plan})
+                model.generate(prompt, **gen_kw)  # compiles prefill and decode
+                dist.barrier()
+                t = time.perf_counter()
+                got_tokens = model.generate(prompt, **gen_kw)
+                gen_s = time.perf_counter() - t
+                row[label].update(
+                    step_ms=1e3 * statistics.median(times[label]),
+                    same=same[label] and bool(torch.equal(got_tokens, want_tokens)),
+                    tokens_s=batch * tokens / gen_s,
+                )
+        row["HF TP + torch.compile"]["calls"] = hf_calls
+        row["fxshard"]["calls"] = fx_calls
+        out[name] = row
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--archs", default="llama,qwen3,mistral,llama_eager,mixtral,qwen3_moe")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    from fxshard.runtime.launch import spawn
+
+    archs = args.archs.split(",")
+    per_rank = spawn(
+        args.ranks, worker, archs, args.batch, args.seq, args.tokens, args.repeats, timeout=3000
+    )
+    hf, fx = "HF TP + torch.compile", "fxshard"
+
+    def med(name, label, key):
+        return statistics.median(r[name][label][key] for r in per_rank)
+
+    print(
+        f"HF models under their tp_plan: hidden {SIZE['hidden_size']}, "
+        f"{SIZE['num_hidden_layers']} layers, 8 heads / 4 kv heads, batch {args.batch}, seq "
+        f"{args.seq}; {args.ranks} gloo ranks (CPU); medians over ranks of {args.repeats} steps; "
+        f"generate: {args.tokens} greedy tokens, static cache"
+    )
+    print(
+        f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
+        f"{'fx/HF':>6} {'gen tok/s HF':>12} {'gen tok/s fx':>12} {'fx/HF':>6} {'same HF/fx':>10}"
+    )
+    for name in archs:
+        r0 = per_rank[0][name]
+        same = [all(r[name][k]["same"] for r in per_rank) for k in (hf, fx)]
+        print(
+            f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} "
+            f"{med(name, hf, 'step_ms'):10.1f} {med(name, fx, 'step_ms'):10.1f} "
+            f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
+            f"{med(name, hf, 'tokens_s'):12.1f} {med(name, fx, 'tokens_s'):12.1f} "
+            f"{med(name, fx, 'tokens_s') / med(name, hf, 'tokens_s'):6.2f} "
+            f"{str(same[0]):>5}/{str(same[1]):<5}"
+        )
+
+
+if __name__ == "__main__":
+    main()
