@@ -225,14 +225,18 @@ def _drop_mlp(seed):
     return DropMLP()
 
 
-def ranks_disagree(rank, world):
-    """Differences between the ranks the runtime must notice: every rank's outcome per case."""
+def _agreement_setup(world):
+    """The tp mesh, the MLP plan, agreement options and the input of the agreement workers."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    plan = zoo.mlp_plan()
-    opts = fxshard.AgreementOptions(timeout_s=30)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    return dm, zoo.mlp_plan(), fxshard.AgreementOptions(timeout_s=30), x
+
+
+def ranks_disagree(rank, world):
+    """Differences between the ranks the runtime must notice: every rank's outcome per case."""
+    dm, plan, opts, x = _agreement_setup(world)
     out = {}
     with torch.no_grad():
         # another batch on rank 1: every rank raises before the program's collectives
@@ -275,6 +279,26 @@ def ranks_disagree(rank, world):
         want = model(x)
         out["backend_random"] = _rel(got, want)
         out["backend_update"] = _rel(model.seen, x.sum(0) * 2)  # once compiled, once eager
+    return out
+
+
+def uneven_ranks_disagree(rank, world):
+    """The agreement check on an uneven program (33 hidden features over 2 ranks: 17 and 16; each
+    rank runs its own per-rank graph): another input on rank 1 raises on every rank; other weights
+    per rank run on rank 0's."""
+    dm, plan, opts, x = _agreement_setup(world)
+    out = {}
+    with torch.no_grad():
+        torch.manual_seed(0)
+        ref = DropMLP(hidden=33).eval()
+        prog = fxshard.shard(ref, dm, plan, example_inputs=(x,))
+        out["uneven"] = prog.uneven
+        fn = prog.compile(agreement=opts)
+        out["inputs"] = _outcome(lambda: fn(x + rank))
+        torch.manual_seed(rank)
+        model = DropMLP(hidden=33).eval()
+        fn = fxshard.shard(model, dm, plan, example_inputs=(x,)).compile(agreement=opts)
+        out["weights"] = _rel(fn(x), ref(x))
     return out
 
 

@@ -27,6 +27,15 @@ def test_ranks_that_disagree_raise_together_or_take_rank_zeros_values():
 
 
 @pytest.mark.slow
+def test_ranks_that_disagree_on_an_uneven_program():
+    for rank, out in enumerate(spawn(2, e2e_workers.uneven_ranks_disagree, timeout=200)):
+        assert out["uneven"], rank
+        kind, msg = out["inputs"]
+        assert kind == "RanksDisagree" and "input 0 (x)" in msg, (rank, out["inputs"])
+        assert out["weights"] < 1e-6, (rank, out["weights"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["bad_input", "absent", "hung"])
 def test_a_rank_that_fails_alone_fails_the_others_fast(case):
     # the process group's own timeout is 120 s: the other rank must raise far sooner (a failing
