@@ -13,8 +13,10 @@ on ``--ranks`` gloo ranks of this machine (CPU, loopback):
 Columns: collectives of one forward step (fxshard: its per-rank program; HF: counted at dispatch
 on the compiled step's eager twin, the same collectives), forward step time (median of
 ``--repeats`` calls, a barrier before each, the variants alternating; ``use_cache=False``), whether
-the logits equal single device, and greedy ``generate`` tokens/s (``--tokens`` new tokens with a
-static cache: one prefill and one decode program per variant). Ratios are fxshard / HF. On 2 cores
+the logits equal single device, greedy ``generate`` tokens/s (``--tokens`` new tokens with a
+static cache: one prefill and one decode program per variant, compiled by an untimed first
+generation; the timed one includes the prefill) and its median decode step (time between tokens,
+from a streamer). Ratios are fxshard / HF. On 2 cores
 the ranks share the CPUs: quote medians and ratios.
 
     python benchmarks/hf.py [--ranks 4] [--archs llama,qwen3,...] [--batch 4] [--seq 64]
@@ -56,6 +58,24 @@ def build(name):
     return make().eval()
 
 
+class Stamps:
+    """A generate() streamer that only notes when each token arrives: the prompt, then one call
+    per generated token, so the gaps after the first are decode steps."""
+
+    def __init__(self):
+        self.at = []
+
+    def put(self, value):
+        self.at.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def decode_step(self) -> float:
+        gaps = [b - a for a, b in zip(self.at[1:], self.at[2:])]
+        return statistics.median(gaps) if gaps else float("nan")
+
+
 def worker(rank, world, archs, batch, seq, tokens, repeats):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,7 +106,8 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
         hf_calls = len(counter.calls)
         hf_c = torch.compile(hf)
         fx_model = copy.deepcopy(base)
-        n0 = len(compiled_programs())
+        # by identity (held, so no id is reused): earlier architectures' graphs may be dropped
+        before = list(compiled_programs())
         fx_c = torch.compile(
             fx_model, backend="fxshard", options={"mesh": dm, "plan": fx_model.tp_plan}
         )
@@ -100,7 +121,7 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                 got = m(x, use_cache=False).logits
                 row[label] = dict(first_s=time.perf_counter() - t)
                 same[label] = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
-            fx_progs = compiled_programs()[n0:]
+            fx_progs = [p for p in compiled_programs() if not any(p is q for q in before)]
             fx_calls = sum(len(p.collectives()) for p in fx_progs)
             for _ in range(repeats):
                 for label, m in variants.items():
@@ -117,12 +138,14 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                 model.generate(prompt, **gen_kw)  # compiles prefill and decode
                 dist.barrier()
                 t = time.perf_counter()
-                got_tokens = model.generate(prompt, **gen_kw)
+                stamps = Stamps()
+                got_tokens = model.generate(prompt, streamer=stamps, **gen_kw)
                 gen_s = time.perf_counter() - t
                 row[label].update(
                     step_ms=1e3 * statistics.median(times[label]),
                     same=same[label] and bool(torch.equal(got_tokens, want_tokens)),
                     tokens_s=batch * tokens / gen_s,
+                    decode_ms=1e3 * stamps.decode_step(),
                 )
         row["HF TP + torch.compile"]["calls"] = hf_calls
         row["fxshard"]["calls"] = fx_calls
@@ -158,7 +181,8 @@ def main():
     )
     print(
         f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
-        f"{'fx/HF':>6} {'gen tok/s HF':>12} {'gen tok/s fx':>12} {'fx/HF':>6} {'same HF/fx':>10}"
+        f"{'fx/HF':>6} {'gen tok/s HF':>12} {'gen tok/s fx':>12} {'fx/HF':>6} "
+        f"{'decode ms HF':>12} {'decode ms fx':>12} {'fx/HF':>6} {'same HF/fx':>10}"
     )
     for name in archs:
         r0 = per_rank[0][name]
@@ -169,6 +193,8 @@ def main():
             f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
             f"{med(name, hf, 'tokens_s'):12.1f} {med(name, fx, 'tokens_s'):12.1f} "
             f"{med(name, fx, 'tokens_s') / med(name, hf, 'tokens_s'):6.2f} "
+            f"{med(name, hf, 'decode_ms'):12.1f} {med(name, fx, 'decode_ms'):12.1f} "
+            f"{med(name, fx, 'decode_ms') / med(name, hf, 'decode_ms'):6.2f} "
             f"{str(same[0]):>5}/{str(same[1]):<5}"
         )
 
