@@ -462,10 +462,14 @@ class MaskedRowwise(nn.Module):
             y = y.masked_fill(mask, 0.0)
         elif self.fill == "masked_fill_1":  # not a zero: the sum of 1s on every rank is not 1
             y = y.masked_fill(mask, 1.0)
+        elif self.fill == "where5":  # nor is 5
+            y = torch.where(mask, 5.0, y)
         return (y * 2.0).sum(0)
 
 
-@pytest.mark.parametrize("fill", ["where0", "where_tensor0", "masked_fill", "masked_fill_1"])
+@pytest.mark.parametrize(
+    "fill", ["where0", "where_tensor0", "masked_fill", "masked_fill_1", "where5"]
+)
 def test_a_zero_select_of_a_partial_value_stays_partial(fill):
     """``where(mask, 0, y)`` / ``y.masked_fill(mask, 0)`` of a Partial ``y`` is Partial (each
     rank's select of its addend sums to the select of the sum): one all-reduce at the end, after
@@ -478,5 +482,21 @@ def test_a_zero_select_of_a_partial_value_stays_partial(fill):
     torch.testing.assert_close(prog.simulate(x, mask), model(x, mask))
     reduced = [c for c in prog.collectives() if c.kind == "all_reduce"]
     assert len(prog.collectives()) == 1 and reduced
-    if fill != "masked_fill_1":
+    if fill not in ("masked_fill_1", "where5"):
         assert reduced[0].bytes == 8 * 4, prog.explain()  # the (8,) sum, not the (6, 8) rows
+
+
+def test_a_select_of_a_nonzero_number_is_not_partial():
+    """``where.ScalarSelf(c, 5, y)``: 5 would be added once per rank, so no Partial candidate;
+    with 0 the value is Partial-able."""
+    import torch.fx as fx
+
+    from fxshard.placement.problem import zero_filled
+
+    for number, want in ((5.0, None), (0.0, ("c", "x"))):
+        g = fx.Graph()
+        c, y = g.placeholder("c"), g.placeholder("y")
+        c.meta["val"], y.meta["val"] = torch.ones(2, dtype=torch.bool), torch.ones(2)
+        n = g.call_function(torch.ops.aten.where.ScalarSelf, (c, number, y))
+        n.meta["val"] = torch.ones(2)
+        assert zero_filled(n) == want

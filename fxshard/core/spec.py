@@ -195,8 +195,8 @@ def reshape_keeps_shards(src: ShardingSpec, dst: ShardingSpec) -> bool:
                 coord[m] = c
             ia = [torch.tensor(local_indices(src.shape[d], src.levels[d], mesh, coord)) for d in ga]
             ib = [torch.tensor(local_indices(dst.shape[d], dst.levels[d], mesh, coord)) for d in gb]
-            got = full_a[torch.meshgrid(*ia, indexing="ij")] if ia else full_a
-            want = full_b[torch.meshgrid(*ib, indexing="ij")] if ib else full_b
+            got = full_a[torch.meshgrid(*ia, indexing="ij")]
+            want = full_b[torch.meshgrid(*ib, indexing="ij")]
             if got.numel() != want.numel() or not torch.equal(got.reshape(-1), want.reshape(-1)):
                 return False
     return True

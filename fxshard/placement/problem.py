@@ -191,6 +191,8 @@ def zero_filled(node: fx.Node) -> tuple | None:
         return None  # a sum of bool or integer addends is not the select
     if name in _WHERE:
         cond, a, b = (list(node.args) + [None, None, None])[:3]
+        if any(not isinstance(v, fx.Node) and not _is_zero(v) for v in (a, b)):
+            return None  # a Python number other than 0 would be added once per rank
         roles = ["c"] + ["0" if _is_zero(v) else "x" for v in (a, b)]
         kept = [r for v, r in zip((cond, a, b), roles) if isinstance(v, fx.Node)]
         return tuple(kept) if "x" in kept else None

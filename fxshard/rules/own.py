@@ -304,10 +304,10 @@ def grouped_mm_candidates(
             cols.append(((r, w, r) + (out_plc,) * n_extra, out_plc))
         per_dim.append(cols)
     out = []
-    aligned = op.name() != "aten::_grouped_mm"  # the fallback takes any strides
+    any_strides = op.name() != "aten::_grouped_mm"  # the fallback takes any strides
     for combo in itertools.product(*per_dim):
         ins = tuple(tuple(c[0][i] for c in combo) for i in range(len(tensors)))
-        if aligned or _keeps_16_byte_rows(tensors[:2], ins[:2], device_mesh.shape):
+        if any_strides or _keeps_16_byte_rows(tensors[:2], ins[:2], device_mesh.shape):
             out.append((ins, (tuple(c[1] for c in combo),)))
     return out
 
