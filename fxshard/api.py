@@ -35,7 +35,7 @@ from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import INPUT, NodeKind, info
+from .ir import INPUT, KEPT_STATE, NodeKind, info
 from .passes.redistribute import insert_redistributes
 from .placement import greedy
 from .placement.auto import AutoInfeasible, AutoOptions, annotate_auto
@@ -140,7 +140,9 @@ def _check_placements(mesh, input_placements, output_placements) -> None:
     ):
         if pls is not None:
             for i, p in enumerate(pls):
-                if p is not None and not isinstance(p, ShardingSpec) and len(tuple(p)) != mesh.ndim:
+                if p is None or p is KEPT_STATE or isinstance(p, ShardingSpec):
+                    continue
+                if len(tuple(p)) != mesh.ndim:
                     raise ValueError(
                         f"{what}[{i}] has {len(tuple(p))} placements for a {mesh.ndim}-D mesh "
                         f"{mesh.shape}; give one placement per mesh dim"
@@ -411,24 +413,31 @@ def shard_dynamo_graph(
     num_outputs: int = 1,
     output_placements: Sequence | None = None,
     arg_specs: dict | None = None,
+    kept_state: frozenset = frozenset(),
     auto_options: AutoOptions | None = None,
 ) -> ShardedProgram:
     """A dynamo graph sharded for this call's arguments (the ``torch.compile`` backend): captured
     (the joint forward+backward under autograd), annotated, redistributed.  Outputs are handed back
     replicated (the global values) unless ``output_placements`` says otherwise per output (None:
     the program's own placement, reduced); ``arg_specs`` ({argument index: ShardingSpec}) fixes the
-    placements of DTensor arguments (user inputs only)."""
+    placements of DTensor arguments (user inputs only); ``kept_state`` (argument indices): plain
+    inputs that, where the graph updates them in place, come back placed as the program takes them
+    (state kept sharded between calls) rather than replicated."""
     c = capture_dynamo_graph(gm, args, constraints.hooked, roots, sources, training=training)
     c = dataclasses.replace(c, config=config, constraints=constraints)
     if output_placements is None:
         output_placements = [(Replicate(),) * config.mesh.ndim] * num_outputs
     input_placements = None
-    if arg_specs:
+    if arg_specs or kept_state:
         input_placements = [None] * c.num_inputs
         for p in c.gm.graph.nodes:
-            if p.op != "placeholder" or info(p).arg_index not in arg_specs:
+            if p.op != "placeholder":
                 continue
             rec = info(p)
+            if rec.kind == INPUT and rec.arg_index in kept_state:
+                input_placements[rec.input_index] = KEPT_STATE
+            if rec.arg_index not in (arg_specs or {}):
+                continue
             if rec.kind != INPUT:
                 raise NotImplementedError(
                     f"fxshard backend: argument {rec.arg_index} ({rec.fqn}) is a DTensor "

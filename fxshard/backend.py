@@ -41,13 +41,18 @@ are the global values; no process group needed), ``agreement`` (``fxshard.Agreem
 how the ranks check, on each graph's first calls, that they run one program on the same inputs
 and parameters; see ``fxshard.runtime.agree``), ``search`` (``"global"``, the default: the
 placements the plan leaves free are chosen by one solve over the graph; ``"greedy"``: op by op),
-``outputs`` (``"global"``, the default, or ``"dtensor"``), ``output_placements``.
+``outputs`` (``"global"``, the default, or ``"dtensor"``), ``output_placements``, ``state``
+(``"global"``, the default, or ``"sharded"``: user inputs that are attributes of plain objects,
+a KV cache's keys and values, and that a graph updates in place from a shard are kept as this
+rank's shard between calls and taken by the next call's program as they are; eager reads gather
+them first: ``fxshard.runtime.state``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,7 +75,7 @@ from .capture.common import normalize_source, source_root
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import INPUT, STATE_KINDS, TANGENT, info
+from .ir import INPUT, STATE_KINDS, TANGENT, NodeKind, flat_outputs, info
 from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
 from .runtime.boundary import (
@@ -81,8 +86,10 @@ from .runtime.boundary import (
     output_wrapper,
     spec_of,
     standin,
+    wrap_output,
 )
 from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraining
+from .runtime.state import STATES, gather, keep, kept
 
 log = logging.getLogger("fxshard")
 
@@ -101,6 +108,7 @@ OPTIONS = (
     "search",
     "outputs",
     "output_placements",
+    "state",
 )
 
 
@@ -122,6 +130,7 @@ class BackendOptions:
     search: str = DEFAULT_SEARCH  # how the placements the plan leaves free are chosen (or "greedy")
     outputs: str = "global"  # "dtensor": outputs come back as DTensors, not gathered
     output_placements: Sequence | None = None  # per output: these placements, as a DTensor
+    state: str = "global"  # "sharded": object attributes a graph updates stay sharded (KV caches)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -169,6 +178,10 @@ class BackendOptions:
             raise ValueError(
                 "fxshard backend: DTensor outputs (outputs='dtensor', output_placements) need a "
                 "DeviceMesh and a process group; simulate=True hands back global values"
+            )
+        if opts.state not in STATES:
+            raise ValueError(
+                f"fxshard backend: state must be one of {list(STATES)}, got {opts.state!r}"
             )
         if opts.output_placements is not None:
             opts.output_placements = [
@@ -256,6 +269,22 @@ def compiled_programs() -> list:
     return [p for g in live if g is not None for p in g.programs]
 
 
+_ATTRIBUTE = re.compile(r"(?:\.([A-Za-z_]\w*)|\.__dict__\['([A-Za-z_]\w*)'\])$")
+
+
+def _attribute(src: str, roots: dict) -> str | None:
+    """The attribute name of a user input that is an attribute of an object
+    (``L['past_key_values'].layers[0].keys``, or ``.__dict__['keys']``); None for anything else
+    (a frame local, an item, a module's parameter or buffer)."""
+    src = normalize_source(src)
+    m = _ATTRIBUTE.search(src)
+    if m is None or not src.startswith("L[") or source_fqn(src, roots)[0] != INPUT:
+        return None
+    if re.search(r"\._(modules|parameters|buffers)\[", src):
+        return None
+    return m.group(1) or m.group(2)
+
+
 def _frame_modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
     """The frame roots (locals, or items of them: ``args[0]`` of a wrapped forward) that are modules
     and own this graph's parameters / buffers, by root key."""
@@ -291,6 +320,14 @@ class ShardedGraph:
         self.constraints = constraints
         self.roots = roots
         self.sources = dynamo_sources(gm)
+        # arguments that are attributes of plain objects (a cache layer's keys): with
+        # state="sharded", their in-place updates stay sharded between calls (runtime.state)
+        self.attributes = {
+            i: name
+            for i, src in enumerate(self.sources)
+            if src and (name := _attribute(src, roots)) is not None
+        }
+        self.state_names = self.attributes if opts.state == "sharded" and not opts.simulate else {}
         # Python numbers dynamo lifted to 0-d tensors are baked into the capture as constants: their
         # values are part of the signature a capture is reused for
         self.baked = {
@@ -307,7 +344,19 @@ class ShardedGraph:
         ] = {}  # arg index -> (weakref to the global tensor, version, local shard)
         self.programs: list = []  # every ShardedProgram built (debugging: explain())
 
-    def _key(self, args):
+    def _held(self, args) -> dict:
+        """{argument index: Kept} for the arguments whose value is held sharded (runtime.state)."""
+        out = {}
+        for i in self.state_names:
+            a = args[i] if i < len(args) else None
+            if isinstance(a, torch.Tensor) and not is_dtensor(a):
+                k = kept(a)
+                if k is not None:
+                    out[i] = k
+        return out
+
+    def _key(self, args, held=None):
+        held = held or {}
         mesh = self.opts.mesh_spec if not self.opts.simulate else None
         return tuple(
             (
@@ -316,7 +365,7 @@ class ShardedGraph:
                     a.dtype,
                     a.device,
                     a.item() if i in self.baked else None,
-                    spec_of(a, mesh) if is_dtensor(a) else None,
+                    spec_of(a, mesh) if is_dtensor(a) else (held[i].spec if i in held else None),
                 )
                 if isinstance(a, torch.Tensor)
                 else (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
@@ -367,20 +416,26 @@ class ShardedGraph:
         return output_wrapper(specs, self.opts.mesh, as_dtensor)
 
     def __call__(self, *args):
+        held = self._held(args)
         args = self._program_args(args)
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
         training = torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         )
-        key = (training, *self._key(args))
+        if training and held:  # training takes global state: the kept shards gathered first
+            for i in held:
+                gather(args[i])
+            held = {}
+        key = (training, *self._key(args, held))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = self._build(args, training)
+            entry = self.entries[key] = self._build(args, training, held)
         flat = entry(args)
         return tuple(flat) if self.returns_sequence else flat[0]
 
-    def _build(self, args, training=False):
+    def _build(self, args, training=False, held=None):
         opts = self.opts
+        held = held or {}
         # DTensor arguments: their specs are their placeholders', their global shapes are captured
         dt_specs = {
             i: spec_of(a, opts.mesh_spec, f"argument {i}")
@@ -388,6 +443,13 @@ class ShardedGraph:
             if is_dtensor(a)
         }
         args = tuple(standin(a) if i in dt_specs else a for i, a in enumerate(args))
+        # state held sharded comes in as its shard (like a DTensor); other candidates may go sharded
+        dt_specs.update({i: k.spec for i, k in held.items()})
+        kept_state = frozenset(
+            i
+            for i in self.state_names
+            if i not in dt_specs and not training and isinstance(args[i], torch.Tensor)
+        )
         # the batch is the leading dim of the first user input; other inputs (rope tables handed to
         # a layer's frame after a graph break, masks) stay replicated on the data-parallel dims
         first = next(
@@ -420,6 +482,7 @@ class ShardedGraph:
             training=training,
             output_placements=self._output_placements(),
             arg_specs=dt_specs,
+            kept_state=kept_state,
             auto_options=opts.auto_options,
         )
         self.programs.append(prog)
@@ -440,11 +503,11 @@ class ShardedGraph:
             if info(p).kind == INPUT
         }
 
-        def write_back(a, flat):
+        def write_back(a, flat, targets=None):
             return prog.apply_updates(
                 flat,
                 {f: a[i] for f, i in updated.items()},
-                {k: a[i] for k, i in input_args.items()},
+                {k: (targets or {}).get(i, a[i]) for k, i in input_args.items()},
             )
 
         def values(a):  # every placeholder's global value: an argument, or a traced constant
@@ -461,13 +524,16 @@ class ShardedGraph:
         kinds = [info(p).kind for p in prog.placeholders]
         fqns = [info(p).fqn for p in prog.placeholders]
         state = prog.captured.state
-        check = self._agreement(prog, compiled.agreement)
+        check = self._agreement(prog, compiled.agreement, skip=set(held))
         wrap = self._output_wrapper(prog)
+        going = self._going_sharded(prog, compiled, kept_state)
+        if opts.state == "global" and not opts.simulate:
+            self._hint_state(prog)
 
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):
                 check(a)
-                local = []
+                local, targets = [], {}
                 for i, kind, spec, fqn in zip(arg_index, kinds, compiled.specs, fqns):
                     if i is None:  # a tensor constant of the trace: the program's own value
                         local.append(self._cached_shard(fqn, state[fqn], spec, compiled))
@@ -475,15 +541,69 @@ class ShardedGraph:
                     t = a[i]
                     if kind in STATE_KINDS:
                         local.append(self._cached_shard(i, t, spec, compiled))
+                    elif i in held:  # its shard, updated in place
+                        targets[i] = kept(t).local
+                        local.append(targets[i])
                     elif i in dt_specs:
                         local.append(local_arg(t, spec, compiled.coord_ints, f"argument {i}"))
                     else:
                         local.append(compiled.local_of(t, spec))
-                return wrap(write_back(a, compiled.run_local(local)))
+                t = None  # (no reference of ours to an argument outlives its use: runtime.state)
+                for i, spec in going.items():  # a new shard to hold the updated value in
+                    targets[i] = torch.empty(
+                        spec.local_shape(compiled.coord_ints), dtype=spec.dtype, device=a[i].device
+                    )
+                outs = write_back(a, compiled.run_local(local), targets)
+                for i, spec in going.items():
+                    what = f"{self.sources[i]} (argument {i} of {prog.name})"
+                    name = self.state_names[i]
+                    if not keep(a[i], targets[i], spec, opts.mesh, what, name, a):
+                        with torch.no_grad():  # stays global: its new value gathered
+                            a[i].copy_(wrap_output(targets[i], opts.mesh, spec).full_tensor())
+                return wrap(outs)
 
         return run
 
-    def _agreement(self, prog, agreement):
+    @staticmethod
+    def _going_sharded(prog, compiled, kept_state) -> dict:
+        """{argument index: spec} of the plain state inputs the program updates in place and hands
+        back sharded: their new values are held as shards (``runtime.state``), not written back."""
+        mutated = {r.what for r in prog.output_roles() if r.kind == "mutate_input"}
+        out = {}
+        for p, spec in zip(prog.placeholders, compiled.specs):
+            rec = info(p)
+            if rec.kind == INPUT and rec.arg_index in kept_state and rec.input_index in mutated:
+                if any(not isinstance(pl, Replicate) for pl in spec.placements):
+                    out[rec.arg_index] = spec
+        return out
+
+    def _hint_state(self, prog) -> None:
+        """Say (once per program) which object attributes the program updates in place sharded and
+        gathers back every call, where state='sharded' would keep them sharded."""
+        by_input = {info(p).input_index: info(p).arg_index for p in prog.placeholders}
+        out = next(n for n in reversed(prog.global_graph.graph.nodes) if n.op == "output")
+        names = []
+        for role, node in zip(prog.output_roles(), flat_outputs(out)):
+            i = by_input.get(role.what) if role.kind == "mutate_input" else None
+            if i not in self.attributes or not isinstance(node, fx.Node):
+                continue
+            src = node.args[0] if info(node).kind == NodeKind.REDISTRIBUTE else None
+            spec = info(src).spec if isinstance(src, fx.Node) else None
+            if isinstance(spec, ShardingSpec) and any(
+                not isinstance(pl, Replicate) for pl in spec.placements
+            ):  # its new value is gathered for the write-back
+                names.append(self.sources[i])
+        if names:
+            log.info(
+                "fxshard: %s updates %d object attribute(s) in place sharded and gathers them "
+                "back every call (%s); options={'state': 'sharded'} keeps them sharded between "
+                "calls (a KV cache: no collective on it per token)",
+                prog.name,
+                len(names),
+                ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+            )
+
+    def _agreement(self, prog, agreement, skip=frozenset()):
         """check(args): the ranks' check of this call (its first calls only): the graph's user
         inputs and (first call) the parameters / buffers it runs on, by their dynamo sources."""
         inputs, state = [], []
@@ -491,7 +611,7 @@ class ShardedGraph:
             rec = info(p)
             if rec.kind in STATE_KINDS and rec.arg_index is not None:
                 state.append((rec.fqn, rec.arg_index))
-            elif rec.kind == INPUT:
+            elif rec.kind == INPUT and rec.arg_index not in skip:  # skip: held sharded
                 inputs.append((f"input {p.name}", rec.arg_index))
 
         def check(a):

@@ -44,6 +44,9 @@ PARAM, BUFFER, CONSTANT, INPUT, TANGENT = (
     NodeKind.TANGENT,
 )
 STATE_KINDS = (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT)
+# an input_placements entry: a plain input the program may place freely and, if it updates it in
+# place, hands back placed like it (state kept sharded between calls: ``runtime.state``)
+KEPT_STATE = "kept state"
 GRAD_TAG = "grad:"  # boundary tag of a complete gradient: "grad:<forward node name>"
 
 

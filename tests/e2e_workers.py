@@ -692,3 +692,191 @@ def uneven_model(rank, world, path, steps=2):
             keys=len(full),
         )
     return out
+
+
+class CacheLayer:
+    """A user's own KV cache layer: plain tensors as attributes, updated in place."""
+
+    def __init__(self, batch, heads, length, head_dim):
+        self.k = torch.zeros(batch, heads, length, head_dim)
+        self.v = torch.zeros(batch, heads, length, head_dim)
+
+
+class CachedBlock(nn.Module):
+    """One attention block over a static cache object (``layer.k`` / ``layer.v``)."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, pos, layer):
+        b, t, _ = x.shape
+
+        def split(y):
+            return y.view(b, t, self.heads, self.hd).transpose(1, 2)
+
+        layer.k.index_copy_(2, pos, split(self.k(x)))
+        layer.v.index_copy_(2, pos, split(self.v(x)))
+        att = torch.softmax(split(self.q(x)) @ layer.k.transpose(-1, -2) / self.hd**0.5, -1)
+        return self.o((att @ layer.v).transpose(1, 2).reshape(b, t, -1))
+
+
+def _cache_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+            "o": RowwiseParallel()}  # fmt: skip
+
+
+def own_cache_state(rank, world):
+    """A decode loop over a user's cache object compiled with state="sharded": outputs per step vs
+    single device, the collectives of the steady decode program, the cache's shard between calls,
+    an eager read of it (gathered), a cache also held in a list (stays global), and a write behind
+    its object's back (an error)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxshard.backend import compiled_programs
+    from fxshard.runtime.state import kept
+
+    torch.manual_seed(0)
+    ref = CachedBlock()
+    dm = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    model = torch.compile(
+        copy.deepcopy(ref),
+        backend="fxshard",
+        options={"mesh": dm, "plan": _cache_plan(), "state": "sharded"},
+    )
+    xs = torch.randn(6, 2, 1, 64, generator=torch.Generator().manual_seed(1))
+    mine, theirs = CacheLayer(2, 4, 8, 16), CacheLayer(2, 4, 8, 16)
+    n0 = len(compiled_programs())
+    err, held = 0.0, []
+    with torch.no_grad():
+        for i in range(4):
+            pos = torch.tensor([i])
+            err = max(err, _rel(model(xs[i], pos, mine), ref(xs[i], pos, theirs)))
+            k = kept(mine.__dict__["k"])
+            held.append(None if k is None else (k.spec.placements, tuple(k.local.shape)))
+        progs = compiled_programs()[n0:]
+        out = dict(
+            err=err,
+            held=held,
+            programs=len(progs),
+            decode=[(c.kind, c.bytes) for c in progs[-1].collectives()],
+            type=type(mine).__name__,
+        )
+        # an eager read gathers: the global cache of single device, and the shard is dropped
+        out["eager_k"] = _rel(mine.k, theirs.k)
+        out["dropped"] = kept(mine.__dict__["k"]) is None
+        # the next call takes the (now global) cache again, and equals single device
+        pos = torch.tensor([4])
+        out["after_read"] = _rel(model(xs[4], pos, mine), ref(xs[4], pos, theirs))
+        # a cache tensor a list also refers to stays global (a read through the list is right)
+        other, other_ref = CacheLayer(2, 4, 8, 16), CacheLayer(2, 4, 8, 16)
+        listed = [other.k]
+        for i in range(2):
+            pos = torch.tensor([i])
+            e = _rel(model(xs[i], pos, other), ref(xs[i], pos, other_ref))
+        out["listed"] = dict(err=e, kept=kept(other.__dict__["k"]) is not None,
+                             read=_rel(listed[0], other_ref.k))  # fmt: skip
+        # written behind its object's back: the next call says so
+        raw = mine.__dict__["v"]
+        model(xs[5], torch.tensor([5]), mine)
+        raw.add_(1.0)
+        try:
+            model(xs[5], torch.tensor([6]), mine)
+            out["behind"] = "no error"
+        except RuntimeError as e:
+            out["behind"] = str(e)
+        # state="global": the cache is gathered every call, and the backend says so (info)
+        import logging
+
+        said = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda rec: said.append(rec.getMessage())
+        logger = logging.getLogger("fxshard")
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            torch._dynamo.reset()
+            plain = torch.compile(copy.deepcopy(ref), backend="fxshard",
+                                  options={"mesh": dm, "plan": _cache_plan()})  # fmt: skip
+            n0 = len(compiled_programs())
+            g, g_ref = CacheLayer(2, 4, 8, 16), CacheLayer(2, 4, 8, 16)
+            for i in range(2):
+                pos = torch.tensor([i])
+                e = _rel(plain(xs[i], pos, g), ref(xs[i], pos, g_ref))
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        out["global"] = dict(
+            err=e,
+            kept=kept(g.__dict__["k"]) is not None,
+            kinds=sorted(c.kind for c in compiled_programs()[-1].collectives()),
+            hint=[m for m in said if "'state': 'sharded'" in m],
+        )
+    return out
+
+
+def hf_static_cache_state(rank, world):
+    """transformers' Llama, its own tp_plan, generate() with a static cache under
+    state="sharded": greedy and sampled tokens vs single device (twice: the cache is reset and
+    reused), the decode program's collectives, and the cache held sharded between direct calls
+    (read eagerly: single device's cache)."""
+    import copy
+
+    import transformers as T
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxshard.backend import compiled_programs
+    from fxshard.runtime.state import kept
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=4)  # fmt: skip
+    ref = T.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():  # larger weights: the greedy tokens vary
+            p.mul_(3)
+    model = copy.deepcopy(ref)
+    dm = init_device_mesh("cpu", (world,))
+    torch._dynamo.reset()
+    opts = {"mesh": dm, "plan": model.tp_plan, "state": "sharded"}
+    model.compile(backend="fxshard", options=opts)
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=6, cache_implementation="static")
+    out = {}
+    n0 = len(compiled_programs())
+    with torch.no_grad():
+        want = ref.generate(x, do_sample=False, **kw)
+        out["greedy"] = [bool(torch.equal(model.generate(x, do_sample=False, **kw), want))
+                         for _ in range(2)]  # fmt: skip
+        out["varied"] = len(set(want[:, 8:].flatten().tolist()))
+        progs = compiled_programs()[n0:]
+        out["programs"] = len(progs)
+        out["decode"] = [(c.kind, c.bytes) for c in progs[-1].collectives()]
+        torch.manual_seed(3)
+        want = ref.generate(x, do_sample=True, top_k=0, **kw)
+        torch.manual_seed(3)
+        out["sampled"] = bool(torch.equal(model.generate(x, do_sample=True, top_k=0, **kw), want))
+        # direct calls with one StaticCache: the cache stays sharded in between
+        caches = [T.StaticCache(config=cfg, max_cache_len=12) for _ in range(2)]
+        errs = []
+        for step in range(3):
+            ids = x if step == 0 else x[:, :1] + step
+            got = model(ids, past_key_values=caches[0], use_cache=True).logits
+            errs.append(_rel(got, ref(ids, past_key_values=caches[1], use_cache=True).logits))
+        layer = caches[0].layers[0]
+        k = kept(layer.__dict__["keys"])
+        out["direct"] = dict(
+            err=max(errs),
+            held=None if k is None else (k.spec.placements, tuple(k.local.shape)),
+            keys=_rel(layer.keys, caches[1].layers[0].keys),
+            dropped=kept(layer.__dict__["keys"]) is None,
+        )
+    return out

@@ -221,3 +221,102 @@ def test_parallelize_state_dict_keys_are_the_models_here_and_nested(fake_world):
     nested = outer.state_dict()
     assert sorted(nested) == sorted(f"pm.{k}" for k in sd)
     outer.load_state_dict(nested)  # strict: every key found
+
+
+@pytest.mark.slow
+def test_a_users_cache_object_stays_sharded_between_calls():
+    """state="sharded": a user's cache object (tensors as attributes, updated in place) stays
+    heads-sharded between decode calls, so a step costs the plan's one all-reduce of (2, 1, 64)
+    and nothing on the cache (state="global" gathers it every call); outputs equal single device;
+    an eager read of the attribute gathers the cache (single device's) and the next call goes on
+    from it; a cache tensor a list also holds stays global (the list reads the value); a write to
+    the tensor behind its object's back is an error on the next call, not a stale read."""
+    for r in spawn(2, e2e_workers.own_cache_state, timeout=600):
+        assert r["err"] < 1e-5 and r["after_read"] < 1e-5, r
+        assert r["held"] == [((Shard(1),), (2, 2, 8, 16))] * 4, r
+        assert r["decode"] == [("all_reduce", 2 * 64 * 4)], r
+        assert r["programs"] == 2, r  # global cache in (first call), then its shard
+        assert r["type"] == "CacheLayer"  # the hook keeps the user's class name
+        assert r["eager_k"] == 0.0 and r["dropped"], r
+        assert r["listed"] == {"err": r["listed"]["err"], "kept": False, "read": 0.0}, r
+        assert r["listed"]["err"] < 1e-5
+        assert "written to directly" in r["behind"] and "L['layer'].v" in r["behind"], r
+        g = r["global"]  # state="global": gathered every call, and said once
+        assert g["err"] < 1e-5 and not g["kept"], g
+        assert g["kinds"] == ["all_gather", "all_gather", "all_reduce"], g
+        assert len(g["hint"]) == 1 and "L['layer'].k" in g["hint"][0], g
+
+
+@pytest.mark.slow
+def test_hf_static_cache_stays_sharded_in_generate():
+    """transformers' Llama under its own tp_plan, generate(cache_implementation="static") with
+    state="sharded": greedy tokens equal single device on two generations (the second resets
+    the cache: gathered, zeroed, reused), sampled tokens too for one seed; a decode step costs
+    the plan's 2 all-reduces per layer + the head's gather and nothing on the cache; between
+    direct calls the StaticCache layers hold their heads' shard, and reading them eagerly gives
+    single device's cache."""
+    for r in spawn(2, e2e_workers.hf_static_cache_state, timeout=900):
+        assert r["greedy"] == [True, True] and r["sampled"], r
+        assert r["varied"] > 3, r
+        batch, hidden, vocab = 2, 64, 128
+        want = [("all_reduce", batch * hidden * 4)] * 4 + [("all_gather", batch * vocab * 4 // 2)]
+        assert r["decode"] == want, r
+        assert r["programs"] == 3, r  # prefill, first decode (global cache in), decode
+        d = r["direct"]
+        assert d["err"] < 1e-5 and d["keys"] < 1e-6 and d["dropped"], d
+        assert d["held"] == ((Shard(1),), (2, 2, 12, 8)), d
+
+
+def test_state_option_and_which_arguments_are_state():
+    from fxshard.backend import _attribute
+
+    with pytest.raises(ValueError, match="state must be one of"):
+        BackendOptions.parse({"mesh": (2,), "plan": {}, "simulate": True, "state": "local"})
+    assert _attribute("L['kwargs']['past_key_values'].layers[0].keys", {}) == "keys"
+    assert _attribute("L['cache'].layers[1].__dict__['values']", {}) == "values"
+    for src in (
+        "L['x']",
+        "L['args'][2]",
+        "L['self']._modules['fc']._parameters['weight']",
+        "L['self']._modules['m']._buffers['cache']",
+        "G['table'].k",
+    ):
+        assert _attribute(src, {}) is None, src
+
+
+def test_the_state_hook_reads_through_in_compiled_code():
+    """The class hook runtime.state puts on a cache object: the object keeps its class's name and
+    behaviour (an instance of it), compiled code reads the attribute as it is (no gather traced),
+    eager code with nothing held reads it too; only plain objects own state (a module's tensor
+    attribute is not hooked)."""
+    from fxshard.runtime import state
+
+    class Layer:
+        def __init__(self):
+            self.k = torch.arange(6.0).reshape(2, 3)
+
+        def bump(self):
+            self.k.add_(1)
+            return self.k.sum()
+
+    layer = Layer()
+    assert state._owners(layer.k, "k") == [layer]
+    mod = torch.nn.Module()
+    mod.k = torch.zeros(2)
+    assert state._owners(mod.k, "k") == []
+    state._hook(layer, "k")
+    assert type(layer).__name__ == "Layer" and isinstance(layer, Layer)
+    assert type(layer) is not Layer and "k" in type(layer)._fxshard_kept
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    bump = torch.compile(lambda obj: obj.bump(), backend=backend)
+    assert float(bump(layer)) == 21.0 and float(layer.k.sum()) == 21.0
+    assert len(graphs) == 1  # no graph break at the property
+    assert not any("gather" in str(n.target) for n in graphs[0].graph.nodes)
+    layer.k = torch.zeros(3)  # the setter stores the new tensor
+    assert layer.__dict__["k"] is layer.k and state.kept(layer.k) is None

@@ -51,6 +51,7 @@ from ..ir import (
     BUFFER,
     GRAD_TAG,
     INPUT,
+    KEPT_STATE,
     PARAM,
     STATE_KINDS,
     TANGENT,
@@ -515,6 +516,12 @@ class PlacementProblem:
         spec = self.spec(pl, val, what=f"parameter {fqn}")
         return PlaceholderOptions(spec, want[1], tuple(m for m in every if m != self.cons.dim))
 
+    def kept_state(self, node: fx.Node) -> bool:
+        """Whether a placeholder is a plain input kept sharded between calls (``KEPT_STATE``): a
+        global solve places it like an op's output."""
+        rec = info(node)
+        return rec.kind == INPUT and self._given_input(rec.input_index) is KEPT_STATE
+
     def _given_input(self, i: int):
         given = self.input_placements
         return given[i] if given is not None and i < len(given) else None
@@ -549,7 +556,7 @@ class PlacementProblem:
             if isinstance(given, ShardingSpec):  # a DTensor argument's own spec, shard order kept
                 spec = self.spec(given, val, what=f"input {i} ({node.name})")
                 return PlaceholderOptions(spec, f"DTensor input {i}", ())
-            if given is not None:  # None: the default below
+            if given is not None and given is not KEPT_STATE:  # None, KEPT_STATE: the default below
                 return PlaceholderOptions(
                     self.spec(given, val, what=f"input_placements[{i}]"),
                     f"input_placements[{i}]",
@@ -649,6 +656,10 @@ class PlacementProblem:
                 # shard is written into it (the cache stays sharded between calls); a plain
                 # (global) input gets its new global value
                 given = self._given_input(role.what)
+                if given is KEPT_STATE and role in placeholders:
+                    # state kept sharded between calls: handed back in the placement it came in
+                    out.append(OutputRequirement("like", None, placeholders[role], role))
+                    continue
                 spec = given if isinstance(given, ShardingSpec) else self.replicated(val)
                 out.append(OutputRequirement("fixed", spec, placeholders.get(role), role))
                 continue

@@ -246,6 +246,9 @@ class FactorGraph:
         """The placeholder's options: what is asked for where nothing is free, else every even
         placement that keeps what is fixed (the plan's placement on the plan dim)."""
         if self.anchored:
+            if self.p.kept_state(node):  # state kept sharded: the solve places it
+                anchor = info(node).spec
+                return [anchor, *(s for s in self.p.even_options(node.meta["val"]) if s != anchor)]
             return [info(node).spec]
         opts = self.p.placeholder_options(node)
         if not opts.free:
