@@ -89,7 +89,7 @@ from .runtime.boundary import (
     wrap_output,
 )
 from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraining
-from .runtime.state import STATES, gather, keep, kept
+from .runtime.state import STATES, any_kept, gather, keep, kept
 
 log = logging.getLogger("fxshard")
 
@@ -328,6 +328,13 @@ class ShardedGraph:
             if src and (name := _attribute(src, roots)) is not None
         }
         self.state_names = self.attributes if opts.state == "sharded" and not opts.simulate else {}
+        # user inputs that are not state: a tensor another program keeps sharded can still reach
+        # one of them (a graph traced before its object was hooked reads it from a local)
+        self.other_inputs = [
+            i
+            for i, src in enumerate(self.sources)
+            if i not in self.state_names and (source_fqn(src, roots)[0] if src else INPUT) == INPUT
+        ]
         # Python numbers dynamo lifted to 0-d tensors are baked into the capture as constants: their
         # values are part of the signature a capture is reused for
         self.baked = {
@@ -416,6 +423,11 @@ class ShardedGraph:
         return output_wrapper(specs, self.opts.mesh, as_dtensor)
 
     def __call__(self, *args):
+        if any_kept():  # a kept tensor where this graph takes a global one: its value gathered
+            for i in self.other_inputs:
+                a = args[i] if i < len(args) else None
+                if isinstance(a, torch.Tensor) and not is_dtensor(a):
+                    gather(a)
         held = self._held(args)
         args = self._program_args(args)
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded

@@ -299,14 +299,30 @@ def test_the_state_hook_reads_through_in_compiled_code():
             self.k.add_(1)
             return self.k.sum()
 
-    layer = Layer()
+    class Guarded:  # its own property for the name: reads are not the instance dict's
+        @property
+        def k(self):
+            return self.__dict__["k"]
+
+        @k.setter
+        def k(self, v):
+            self.__dict__["k"] = v
+
+    layer, guarded = Layer(), Guarded()
+    guarded.k = torch.zeros(2)
     assert state._owners(layer.k, "k") == [layer]
     mod = torch.nn.Module()
     mod.k = torch.zeros(2)
-    assert state._owners(mod.k, "k") == []
+    assert state._owners(mod.k, "k") == [] and state._owners(guarded.k, "k") == []
     state._hook(layer, "k")
-    assert type(layer).__name__ == "Layer" and isinstance(layer, Layer)
-    assert type(layer) is not Layer and "k" in type(layer)._fxshard_kept
+    hooked = type(layer)
+    assert hooked.__name__ == "Layer" and isinstance(layer, Layer)
+    assert hooked is not Layer and "k" in hooked._fxshard_kept
+    assert state._owners(layer.k, "k") == [layer]  # hooked already: still an owner
+    state._hook(layer, "k")
+    fresh = Layer()
+    state._hook(fresh, "k")
+    assert type(layer) is hooked and type(fresh) is hooked  # once per class: one subclass
     graphs = []
 
     def backend(gm, example):

@@ -11,7 +11,11 @@ contents are stale while the shards hold the value.  So nothing may read it eage
 class is swapped for a subclass (same name, same behaviour) whose attribute is a property that, in
 eager code, first gathers the shards back into the global tensor and drops them (``reset()``,
 beam-search reordering, a user's print read correct values); inside a compiled region
-(``torch.compiler.is_compiling()``) it hands the tensor to the trace unchanged.  A tensor is kept
+(``torch.compiler.is_compiling()``) it hands the tensor to the trace unchanged.  The swap costs
+one more trace of each graph that saw the object (dynamo guards on its type), once per class: a
+property installed on the class in place keeps its identity but leaves the graphs traced before
+it reading the attribute from their compiled frames, where dynamo compiles the property's getter
+on its own and a kept tensor comes back as a gathered copy.  A tensor is kept
 sharded only where nothing else the garbage collector sees refers to it, and one written to behind
 its object's back (its version counter moved) is an error on the next call.  The ranks run eager
 code in step (SPMD), so a gather in a getter is a collective every rank issues at the same point.
@@ -68,6 +72,11 @@ def kept(t: torch.Tensor) -> Kept | None:
             "object (obj.attr gathers it first), or compile with state='global'"
         )
     return k
+
+
+def any_kept() -> bool:
+    """Whether any tensor's value is held sharded now (a cheap check before looking one up)."""
+    return len(_KEPT) > 0
 
 
 def gather(t: torch.Tensor) -> None:
@@ -144,11 +153,27 @@ def _owners(t: torch.Tensor, name: str) -> list:
             isinstance(d, dict)
             and d.get(name) is t
             and not isinstance(obj, (type, torch.nn.Module, torch.Tensor))
-            and type(obj).__setattr__ is object.__setattr__
+            and _hookable(type(obj), name)
             and all(obj is not o for o in out)
         ):
             out.append(obj)
     return out
+
+
+def _hookable(cls: type, name: str) -> bool:
+    """Whether a subclass of ``cls`` can take the gathering property for ``name``: attribute
+    access is plain (no custom ``__getattribute__`` / ``__setattr__``) and no class in its MRO
+    defines ``name`` as a data descriptor other than ours (reads would not be the instance
+    dict's)."""
+    if cls.__getattribute__ is not object.__getattribute__:
+        return False
+    if cls.__setattr__ is not object.__setattr__:
+        return False
+    for c in cls.__mro__:
+        if name in c.__dict__:
+            v = c.__dict__[name]
+            return name in getattr(c, "_fxshard_kept", ()) or not hasattr(type(v), "__set__")
+    return True
 
 
 def _hook(obj, name: str) -> None:
@@ -182,4 +207,4 @@ def _gathering(name: str) -> property:
     return property(get, put, doc=f"{name} (fxshard: gathered on eager access)")
 
 
-__all__ = ["STATES", "Kept", "kept", "keep", "gather"]
+__all__ = ["STATES", "Kept", "any_kept", "kept", "keep", "gather"]
