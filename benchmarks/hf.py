@@ -8,15 +8,18 @@ on ``--ranks`` gloo ranks of this machine (CPU, loopback):
   its ``from_pretrained(tp_plan="auto")`` installs: DTensor parameters and forward hooks), then
   ``torch.compile`` (Inductor);
 * **fxshard**: ``torch.compile(model, backend="fxshard", options={"mesh": mesh,
-  "plan": model.tp_plan})``.
+  "plan": model.tp_plan})``;
+* **fxshard, state="sharded"** (generate only): the same with ``"state": "sharded"``, the static
+  cache's keys and values kept as this rank's heads between decode steps.
 
 Columns: collectives of one forward step (fxshard: its per-rank program; HF: counted at dispatch
 on the compiled step's eager twin, the same collectives), forward step time (median of
 ``--repeats`` calls, a barrier before each, the variants alternating; ``use_cache=False``), whether
 the logits equal single device, greedy ``generate`` tokens/s (``--tokens`` new tokens with a
-static cache: one prefill and one decode program per variant, compiled by an untimed first
-generation; the timed one includes the prefill) and its median decode step (time between tokens,
-from a streamer). Ratios are fxshard / HF. On 2 cores
+static cache: one prefill and one decode program per variant, compiled by two untimed
+generations; the timed third includes the prefill) and its median decode step (time between tokens,
+from a streamer), and the collectives and bytes one decode step moves (fxshard's decode program).
+Ratios are fxshard / HF. On 2 cores
 the ranks share the CPUs: quote medians and ratios.
 
     python benchmarks/hf.py [--ranks 4] [--archs llama,qwen3,...] [--batch 4] [--seq 64]
@@ -35,6 +38,7 @@ from decode import CollectiveBytes
 SIZE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=1024,
             max_position_embeddings=256, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
 MOE = dict(num_experts_per_tok=2, head_dim=32)
+SHARDED = 'fxshard, state="sharded"'
 
 
 def build(name):
@@ -129,23 +133,54 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                     t = time.perf_counter()
                     m(x, use_cache=False)
                     times[label].append(time.perf_counter() - t)
-            for label in variants:
-                model = hf if label.startswith("HF") else fx_model
+            for label in (*variants, SHARDED):
+                # each variant's graphs on their own: they share the model's code objects, whose
+                # dynamo cache entries (at most 8 each) would otherwise run out
+                torch._dynamo.reset()
                 if label.startswith("HF"):
+                    model = hf
+                    # one decode step's collectives, counted eagerly: generate 2 tokens less 1
+                    counted = []
+                    for n in (1, 2):
+                        with CollectiveBytes() as c:
+                            model.generate(prompt, **{**gen_kw, "max_new_tokens": n})
+                        counted.append(c)
+                    decode = (
+                        len(counted[1].calls) - len(counted[0].calls),
+                        counted[1].bytes - counted[0].bytes,
+                    )
                     model.forward = torch.compile(model.forward)
+                    for _ in range(2):  # compiles prefill and decode (as below)
+                        model.generate(prompt, **gen_kw)
                 else:
-                    model.compile(backend="fxshard", options={"mesh": dm, "plan": model.tp_plan})
-                model.generate(prompt, **gen_kw)  # compiles prefill and decode
+                    opts = {"mesh": dm, "plan": base.tp_plan}
+                    model = fx_model
+                    if label == SHARDED:
+                        model = copy.deepcopy(base)
+                        opts["state"] = "sharded"
+                    model.compile(backend="fxshard", options=opts)
+                    before = list(compiled_programs())
+                    # compiles prefill and decode; with state="sharded" the second generation
+                    # traces its prefill again (the cache's class swapped: runtime.state)
+                    model.generate(prompt, **gen_kw)
+                    new = [p for p in compiled_programs() if not any(p is q for q in before)]
+                    calls = new[-1].collectives()  # the last program built: the decode step
+                    decode = (len(calls), sum(c.bytes for c in calls))
+                    model.generate(prompt, **gen_kw)
                 dist.barrier()
                 t = time.perf_counter()
                 stamps = Stamps()
                 got_tokens = model.generate(prompt, streamer=stamps, **gen_kw)
                 gen_s = time.perf_counter() - t
-                row[label].update(
-                    step_ms=1e3 * statistics.median(times[label]),
-                    same=same[label] and bool(torch.equal(got_tokens, want_tokens)),
+                r = row.setdefault(label, {})
+                if label in times:
+                    r["step_ms"] = 1e3 * statistics.median(times[label])
+                r.update(
+                    same=same.get(label, True) and bool(torch.equal(got_tokens, want_tokens)),
                     tokens_s=batch * tokens / gen_s,
                     decode_ms=1e3 * stamps.decode_step(),
+                    decode_calls=decode[0],
+                    decode_bytes=decode[1],
                 )
         row["HF TP + torch.compile"]["calls"] = hf_calls
         row["fxshard"]["calls"] = fx_calls
@@ -181,8 +216,7 @@ def main():
     )
     print(
         f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
-        f"{'fx/HF':>6} {'gen tok/s HF':>12} {'gen tok/s fx':>12} {'fx/HF':>6} "
-        f"{'decode ms HF':>12} {'decode ms fx':>12} {'fx/HF':>6} {'same HF/fx':>10}"
+        f"{'fx/HF':>6} {'same HF/fx':>10}"
     )
     for name in archs:
         r0 = per_rank[0][name]
@@ -191,12 +225,25 @@ def main():
             f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} "
             f"{med(name, hf, 'step_ms'):10.1f} {med(name, fx, 'step_ms'):10.1f} "
             f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
-            f"{med(name, hf, 'tokens_s'):12.1f} {med(name, fx, 'tokens_s'):12.1f} "
-            f"{med(name, fx, 'tokens_s') / med(name, hf, 'tokens_s'):6.2f} "
-            f"{med(name, hf, 'decode_ms'):12.1f} {med(name, fx, 'decode_ms'):12.1f} "
-            f"{med(name, fx, 'decode_ms') / med(name, hf, 'decode_ms'):6.2f} "
             f"{str(same[0]):>5}/{str(same[1]):<5}"
         )
+    print()
+    print(
+        f"generate, per variant (HF TP + torch.compile | fxshard | {SHARDED}): tok/s, median "
+        "decode step ms (ratio to HF), one decode step's collectives / bytes, same tokens"
+    )
+    for name in archs:
+        r0 = per_rank[0][name]
+        cells = []
+        for k in (hf, fx, SHARDED):
+            ratio = med(name, k, "decode_ms") / med(name, hf, "decode_ms")
+            same = all(r[name][k]["same"] for r in per_rank)
+            cells.append(
+                f"{med(name, k, 'tokens_s'):6.1f} {med(name, k, 'decode_ms'):5.1f} "
+                f"({ratio:4.2f}) {r0[k]['decode_calls']:>2d} / {r0[k]['decode_bytes']:>6d} B "
+                f"{str(same):5}"
+            )
+        print(f"{name:12} " + " | ".join(cells))
 
 
 if __name__ == "__main__":
