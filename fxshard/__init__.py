@@ -14,6 +14,7 @@ from .report import diff
 from .rules import register_rule, unregister_rule
 from .runtime import launch
 from .runtime.agree import AgreementOptions, RanksDisagree
+from .runtime.boundary import KeptTensor, kept
 from .runtime.calibrate import calibrate
 from .runtime.program import ShardedProgram
 from .runtime.rulecheck import check_rule
@@ -52,4 +53,6 @@ __all__ = [
     "AgreementOptions",
     "RanksDisagree",
     "check_rule",
+    "KeptTensor",
+    "kept",
 ]

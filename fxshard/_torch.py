@@ -366,18 +366,27 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     Returns ``fn(*args) -> tuple``.  ``example_inputs`` are real or fake tensors of the right
     shapes, dtypes and devices (contiguous).  Random ops keep torch's own kernels
     (``fallback_random``): the program draws what the eager program draws for the same seed."""
-    import torch
-    from torch._guards import TracingContext, tracing
+    from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fm = FakeTensorMode(allow_non_fake_inputs=False)
-    fakes = [
-        fm.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=t.device)) for t in example_inputs
-    ]
+    # a symbolic per-rank graph (dynamic shapes): compiled for every size its ShapeEnv allows, from
+    # its own placeholders' fakes (their symbols); its guards are the caller's to check
+    vals = [p.meta.get("val") for p in gm.graph.nodes if p.op == "placeholder"]
+    symbolic = all(isinstance(v, torch.Tensor) for v in vals) and any(
+        is_symbolic(n) for v in vals for n in v.shape
+    )
+    if symbolic:
+        fm, fakes = detect_fake_mode(vals), vals
+    else:
+        fm = FakeTensorMode(allow_non_fake_inputs=False)
+        fakes = [
+            fm.from_tensor(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+            for t in example_inputs
+        ]
     with inductor_config.patch(fallback_random=True):
         with fm:
             table = select_decomp_table()
@@ -525,6 +534,13 @@ def is_fake_of(mode: object, value: object) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(value, FakeTensor) and value.fake_mode is mode
+
+
+def is_fake(value: object) -> bool:
+    """``value`` is a fake tensor (of any mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
 
 
 def use_flat_codegen(gm: fx.GraphModule) -> None:
@@ -743,3 +759,156 @@ def _dtensor_spec(device_mesh, plc, strided, shape, dtype):
         _SPECS.clear()
     _SPECS[key] = (device_mesh, spec)
     return spec
+
+
+# ---- symbolic shapes (dynamic dims: one program for every size) ----------------------------------
+
+
+def symbolic_fake_mode():
+    """A ``FakeTensorMode`` with a ShapeEnv of its own: dims made symbolic in it become SymInts
+    whose guards (what the trace assumed of them) the mode's ShapeEnv collects."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+
+
+def symbolic_fake(mode, t: torch.Tensor, dims: Sequence[int], name: str) -> torch.Tensor:
+    """A fake of ``t`` in ``mode`` whose ``dims`` are symbolic (the others fixed), named ``name``
+    in guards."""
+    from torch._dynamo.source import LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    ctx = StatelessSymbolicContext(
+        dynamic_sizes=[
+            DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.ndim)
+        ],
+        constraint_sizes=[None] * t.ndim,
+    )
+    return mode.from_tensor(t, symbolic_context=ctx, source=LocalSource(name))
+
+
+def symbolic_empty(
+    mode, shape: Sequence[int], dims: Sequence[int], dtype, device, name: str
+) -> torch.Tensor:
+    """A contiguous fake of ``shape`` in ``mode`` whose ``dims`` are symbolic (a DTensor's global
+    value, which is never allocated)."""
+    with no_fake_mode():
+        meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
+    fake = symbolic_fake(mode, meta, dims, name)
+    with mode:
+        return torch.empty_strided(fake.shape, fake.stride(), dtype=dtype, device=device)
+
+
+def is_symbolic(x: object) -> bool:
+    """A SymInt / SymBool / SymFloat whose value is not a known constant."""
+    if not isinstance(x, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return False
+    return bool(x.node.expr.free_symbols)
+
+
+def is_sym_value(x: object) -> bool:
+    """A SymInt / SymBool / SymFloat (what a shape computation node of a symbolic trace makes)."""
+    return isinstance(x, (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
+def size_hint(x: object):
+    """The value a symbolic size had when traced (plain numbers as they are); None where it has
+    none (a size that depends on tensor values)."""
+    if not is_sym_value(x):
+        return x
+    hint = x.node.hint
+    if hint is None:
+        return None
+    return type(hint)(hint) if not isinstance(x, torch.SymBool) else bool(hint)
+
+
+def same_symbol(a: object, b: object) -> bool:
+    """Two symbolic sizes with one expression."""
+    return is_sym_value(a) and is_sym_value(b) and a.node.expr == b.node.expr
+
+
+def shape_guards(mode, placeholders: Sequence) -> Callable:
+    """``check(args) -> bool``: whether concrete arguments meet every guard ``mode``'s ShapeEnv
+    recorded while tracing and compiling for ``placeholders`` (fakes and SymInts, in argument
+    order; None entries are skipped), static sizes included."""
+    keep = [i for i, p in enumerate(placeholders) if p is not None]
+    env = mode.shape_env
+    code = env.produce_guards_expression([placeholders[i] for i in keep], ignore_static=False)
+    if not code:
+        return lambda args: True
+    compiled = compile(code, "<fxshard shape guards>", "eval")
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    def check(args) -> bool:
+        names = {f"t{k}": args[i] for k, i in enumerate(keep)}
+        return bool(eval(compiled, SYMPY_INTERP, {"L": names}))
+
+    check.code = code
+    return check
+
+
+SHAPE_ASSERT_OPS = frozenset(
+    op
+    for op in (
+        getattr(torch.ops.aten, "_assert_scalar", None),
+        getattr(torch.ops.aten, "sym_constrain_range_for_size", None),
+        getattr(torch.ops.aten, "sym_constrain_range", None),
+    )
+    if op is not None
+    for op in [op.default]
+)
+
+
+class WrapperTensor(torch.Tensor):
+    """Base of fxshard's tensor subclasses that wrap another tensor (torch's wrapper-subclass
+    protocol: no storage of their own, ``__torch_dispatch__`` sees every op, dynamo traces them
+    through ``__tensor_flatten__`` / ``__tensor_unflatten__``)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def wrapper(cls, shape, stride, dtype, device) -> torch.Tensor:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, dtype=dtype, device=device, requires_grad=False
+        )
+
+
+def contiguous_strides(shape: Sequence) -> tuple:
+    """Row-major strides of ``shape`` (SymInt sizes too)."""
+    from torch._prims_common import make_contiguous_strides_for
+
+    return tuple(make_contiguous_strides_for(tuple(shape)))
+
+
+def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
+    """{flat output index: "Class.attribute"} of the graph's outputs that dynamo's code stores into
+    an attribute of a plain Python object after the graph ran (a cache layer's ``self.keys =
+    torch.cat(...)``); not modules, not dict-like model outputs.  Valid inside a backend call
+    (dynamo's side effects of the frame being compiled); empty elsewhere."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.variables import TensorVariable, UserDefinedObjectVariable
+
+    tx = InstructionTranslator.current_tx()
+    if tx is None:
+        return {}
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    index = {n: k for k, n in enumerate(outs) if isinstance(n, fx.Node)}
+    found = {}
+    for obj, attrs in tx.output.side_effects.store_attr_mutations.items():
+        value = getattr(obj, "value", None)
+        if not isinstance(obj, UserDefinedObjectVariable) or isinstance(
+            value, (torch.nn.Module, dict, list, tuple)
+        ):
+            continue
+        for name, v in attrs.items():
+            if not isinstance(v, TensorVariable):
+                continue
+            try:
+                node = v.as_proxy().node
+            except Exception:  # noqa: BLE001 (a value with no node in this graph)
+                continue
+            if node in index:
+                found[index[node]] = f"{type(value).__name__}.{name}"
+    return found

@@ -415,6 +415,7 @@ def shard_dynamo_graph(
     arg_specs: dict | None = None,
     kept_state: frozenset = frozenset(),
     auto_options: AutoOptions | None = None,
+    dynamic=None,
 ) -> ShardedProgram:
     """A dynamo graph sharded for this call's arguments (the ``torch.compile`` backend): captured
     (the joint forward+backward under autograd), annotated, redistributed.  Outputs are handed back
@@ -422,8 +423,11 @@ def shard_dynamo_graph(
     the program's own placement, reduced); ``arg_specs`` ({argument index: ShardingSpec}) fixes the
     placements of DTensor arguments (user inputs only); ``kept_state`` (argument indices): plain
     inputs that, where the graph updates them in place, come back placed as the program takes them
-    (state kept sharded between calls) rather than replicated."""
-    c = capture_dynamo_graph(gm, args, constraints.hooked, roots, sources, training=training)
+    (state kept sharded between calls) rather than replicated.  ``dynamic``
+    (``capture.symbolic.DynamicDims``): one program for every size of those dims."""
+    c = capture_dynamo_graph(
+        gm, args, constraints.hooked, roots, sources, training=training, dynamic=dynamic
+    )
     c = dataclasses.replace(c, config=config, constraints=constraints)
     if output_placements is None:
         output_placements = [(Replicate(),) * config.mesh.ndim] * num_outputs

@@ -24,13 +24,17 @@ replicated), and every op the frame runs on DTensors needs a DTensor rule for dy
 torch.chunk layout is fxshard's).
 
 Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
-first call, with the call's concrete shapes: recompiles on new shapes work, and dynamo's dynamic
-shapes are specialised per signature rather than compiled symbolically.  Parameters are sliced to
-local shards once and cached; a replaced parameter (new object, or new storage through ``p.data =``)
-or one updated in place (its version counter moves: optimizers, ``p.mul_()`` under no_grad) is
-sliced again.  In-place updates through ``p.data`` bypass the version counter and are not seen:
-shards that are views (dim-0 shards, replicated parameters) see them, copies do not; update
-parameters in place instead, or call ``torch._dynamo.reset()``.
+first call, with the call's concrete shapes: recompiles on new shapes work.  Where dynamo made dims
+dynamic (a graph called with a second size of them: a KV cache that grows by a token per call),
+one symbolic program serves every size of those dims (``fxshard.capture.symbolic``: traced with
+SymInt sizes, placed on the first call's sizes with those dims never split, lowered and compiled
+for any size), its shape guards checked on every call; where it cannot be built (a plan that
+splits a dynamic dim, a training graph) each size gets its own program, logged.  Parameters are
+sliced to local shards once and cached; a replaced parameter (new object, or new storage through
+``p.data =``) or one updated in place (its version counter moves: optimizers, ``p.mul_()`` under
+no_grad) is sliced again.  In-place updates through ``p.data`` bypass the version counter and are
+not seen: shards that are views (dim-0 shards, replicated parameters) see them, copies do not;
+update parameters in place instead, or call ``torch._dynamo.reset()``.
 
 Options (``options={...}``): ``mesh`` (a ``DeviceMesh``; a ``MeshSpec`` or shape with
 ``simulate=True``), ``plan`` (ParallelStyle / tp_plan dict, ``{}`` for none, or ``"auto"``),
@@ -42,15 +46,17 @@ how the ranks check, on each graph's first calls, that they run one program on t
 and parameters; see ``fxshard.runtime.agree``), ``search`` (``"global"``, the default: the
 placements the plan leaves free are chosen by one solve over the graph; ``"greedy"``: op by op),
 ``outputs`` (``"global"``, the default, or ``"dtensor"``), ``output_placements``, ``state``
-(``"global"``, the default, or ``"sharded"``: user inputs that are attributes of plain objects,
-a KV cache's keys and values, and that a graph updates in place from a shard are kept as this
-rank's shard between calls and taken by the next call's program as they are; eager reads gather
-them first: ``fxshard.runtime.state``).
+(``"sharded"``, the default: tensors a graph stores into attributes of plain objects, a KV
+cache's keys and values, come back as ``KeptTensor``s where the program left them sharded: this
+rank's shard to the next program, the global tensor to eager code, which gathers it on use; and
+KeptTensors a graph updates in place stay sharded; ``"global"``: gathered.
+``fxshard.runtime.boundary``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import re
 import weakref
@@ -64,14 +70,16 @@ import torch.nn as nn
 from . import api
 from ._torch import (
     Replicate,
+    attribute_outputs,
     calling_modules,
     dynamo_frame_locals,
-    is_dtensor,
     placeholder_source,
+    shape_guards,
     tensor_version,
 )
 from .capture import dynamo_sources, source_fqn
 from .capture.common import normalize_source, source_root
+from .capture.symbolic import DynamicDims, NotSymbolic, splits_dynamic
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
@@ -80,16 +88,18 @@ from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
 from .runtime.boundary import (
     OUTPUTS,
+    STATES,
+    KeptTensor,
     as_program_arg,
     check_mesh,
+    is_kept,
+    is_sharded_arg,
     local_arg,
     output_wrapper,
     spec_of,
     standin,
-    wrap_output,
 )
 from .runtime.compiled import CompiledProgram, CompiledTraining, SimulatedTraining
-from .runtime.state import STATES, any_kept, gather, keep, kept
 
 log = logging.getLogger("fxshard")
 
@@ -130,7 +140,8 @@ class BackendOptions:
     search: str = DEFAULT_SEARCH  # how the placements the plan leaves free are chosen (or "greedy")
     outputs: str = "global"  # "dtensor": outputs come back as DTensors, not gathered
     output_placements: Sequence | None = None  # per output: these placements, as a DTensor
-    state: str = "global"  # "sharded": object attributes a graph updates stay sharded (KV caches)
+    state: str = "sharded"  # tensors a graph stores into objects' attributes (KV caches) stay
+    # sharded between calls, as KeptTensors ("global": gathered)
 
     @classmethod
     def parse(cls, options: dict | None) -> BackendOptions:
@@ -261,12 +272,24 @@ def _prefixes(top: nn.Module, frame_modules: dict[str, nn.Module]) -> dict[str, 
 # handed to dynamo (``compiled_programs`` lists their programs)
 _SCOPES: dict[int, tuple[dict, _PlanScope]] = {}
 _GRAPHS: list[weakref.ref] = []
+_BUILT = itertools.count()  # every program built gets the next number
 
 
-def compiled_programs() -> list:
-    """The ShardedPrograms the backend has built (oldest first), for ``explain()`` and tests."""
+def compiled_programs(since: int = 0) -> list:
+    """The ShardedPrograms the backend has built and still holds (oldest first), for
+    ``explain()`` and tests; ``since``: only those built after ``programs_built()`` said ``since``
+    (programs of graphs dynamo dropped meanwhile are gone, so list positions are no marker)."""
     live = [g() for g in _GRAPHS]
-    return [p for g in live if g is not None for p in g.programs]
+    progs = [(n, p) for g in live if g is not None for n, p in g.programs_numbered]
+    return [p for n, p in sorted(progs, key=lambda x: x[0]) if n >= since]
+
+
+def programs_built() -> int:
+    """How many programs the backend has built so far (a marker for ``compiled_programs``)."""
+    global _BUILT
+    n = next(_BUILT)
+    _BUILT = itertools.count(n)
+    return n
 
 
 _ATTRIBUTE = re.compile(r"(?:\.([A-Za-z_]\w*)|\.__dict__\['([A-Za-z_]\w*)'\])$")
@@ -320,21 +343,17 @@ class ShardedGraph:
         self.constraints = constraints
         self.roots = roots
         self.sources = dynamo_sources(gm)
-        # arguments that are attributes of plain objects (a cache layer's keys): with
-        # state="sharded", their in-place updates stay sharded between calls (runtime.state)
+        # arguments that are attributes of plain objects (a cache layer's keys), for messages
         self.attributes = {
             i: name
             for i, src in enumerate(self.sources)
             if src and (name := _attribute(src, roots)) is not None
         }
-        self.state_names = self.attributes if opts.state == "sharded" and not opts.simulate else {}
-        # user inputs that are not state: a tensor another program keeps sharded can still reach
-        # one of them (a graph traced before its object was hooked reads it from a local)
-        self.other_inputs = [
-            i
-            for i, src in enumerate(self.sources)
-            if i not in self.state_names and (source_fqn(src, roots)[0] if src else INPUT) == INPUT
-        ]
+        # outputs dynamo stores into objects' attributes (a DynamicCache's torch.cat): with
+        # state="sharded" they come back as KeptTensors where the program leaves them sharded
+        stored = attribute_outputs(gm) if not opts.simulate else {}
+        self.stored = stored if opts.state == "sharded" else {}
+        self.stored_global = stored if opts.state == "global" else {}
         # Python numbers dynamo lifted to 0-d tensors are baked into the capture as constants: their
         # values are part of the signature a capture is reused for
         self.baked = {
@@ -346,24 +365,20 @@ class ShardedGraph:
         self.returns_sequence = isinstance(out, (tuple, list))
         self.num_outputs = len(out) if self.returns_sequence else 1
         self.entries: dict = {}
-        self._shards: dict[
-            int, tuple
-        ] = {}  # arg index -> (weakref to the global tensor, version, local shard)
-        self.programs: list = []  # every ShardedProgram built (debugging: explain())
+        # dynamic shapes: one program for every size of the dims dynamo made symbolic
+        self.dynamic = DynamicDims.of(gm)
+        self.symbolic: dict = {}  # static part of a signature -> [(shape guards, runner)]
+        self.per_size: set = set()  # static signatures that got no symbolic program (said once)
+        # arg index -> (weakref to the global tensor, version, local shard)
+        self._shards: dict[int, tuple] = {}
+        self.programs_numbered: list = []  # (number, ShardedProgram) of every program built
 
-    def _held(self, args) -> dict:
-        """{argument index: Kept} for the arguments whose value is held sharded (runtime.state)."""
-        out = {}
-        for i in self.state_names:
-            a = args[i] if i < len(args) else None
-            if isinstance(a, torch.Tensor) and not is_dtensor(a):
-                k = kept(a)
-                if k is not None:
-                    out[i] = k
-        return out
+    @property
+    def programs(self) -> list:
+        """Every ShardedProgram built for this graph (debugging: ``explain()``)."""
+        return [p for _, p in self.programs_numbered]
 
-    def _key(self, args, held=None):
-        held = held or {}
+    def _key(self, args):
         mesh = self.opts.mesh_spec if not self.opts.simulate else None
         return tuple(
             (
@@ -372,7 +387,7 @@ class ShardedGraph:
                     a.dtype,
                     a.device,
                     a.item() if i in self.baked else None,
-                    spec_of(a, mesh) if is_dtensor(a) else (held[i].spec if i in held else None),
+                    spec_of(a, mesh) if is_sharded_arg(a) else type(a),
                 )
                 if isinstance(a, torch.Tensor)
                 else (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
@@ -381,8 +396,8 @@ class ShardedGraph:
         )
 
     def _program_args(self, args):
-        """DTensor arguments checked against the program's mesh."""
-        if not any(is_dtensor(a) for a in args):
+        """DTensor (and sharded KeptTensor) arguments checked against the program's mesh."""
+        if not any(is_sharded_arg(a) for a in args):
             return args
         if self.opts.simulate:
             raise ValueError(
@@ -392,7 +407,7 @@ class ShardedGraph:
         mesh = self.opts.mesh_spec
         out = []
         for i, a in enumerate(args):
-            if is_dtensor(a):
+            if is_sharded_arg(a):
                 what = f"argument {i} of the graph ({self.sources[i] or 'an input'})"
                 check_mesh(a, self.opts.mesh, what)
                 a = as_program_arg(a, mesh, what)
@@ -401,66 +416,108 @@ class ShardedGraph:
 
     def _output_placements(self) -> list:
         """Per output: the placements asked for, None where the program's own (reduced) placement
-        is handed back as a DTensor, replicated where a global tensor is."""
+        is handed back (a DTensor, or a KeptTensor for state stored into an attribute),
+        replicated where a global tensor is."""
         given = list(self.opts.output_placements or ())
         replicated = (Replicate(),) * self.opts.mesh_spec.ndim
         out = []
         for k in range(self.num_outputs):
             g = given[k] if k < len(given) else None
-            if g is None and self.opts.outputs == "global":
+            if g is None and self.opts.outputs == "global" and k not in self.stored:
                 g = replicated
             out.append(g)
         return out
 
     def _output_wrapper(self, prog):
-        """The outputs asked for as DTensors wrapped (this rank's shard, the program's spec)."""
+        """The outputs asked for as DTensors wrapped (this rank's shard, the program's spec); state
+        stored into attributes as KeptTensors where sharded."""
         given = self.opts.output_placements or ()
         specs = prog.forward_output_specs
         as_dtensor = [
             self.opts.outputs == "dtensor" or (k < len(given) and given[k] is not None)
             for k in range(len(specs))
         ]
-        return output_wrapper(specs, self.opts.mesh, as_dtensor)
+        wrap = output_wrapper(specs, self.opts.mesh, as_dtensor)
+        keep = [
+            k
+            for k in self.stored
+            if k < len(specs) and not as_dtensor[k] and specs[k] is not None
+            and any(not isinstance(p, Replicate) for p in specs[k].placements)
+        ]  # fmt: skip
+        if not keep:
+            return wrap
+        mesh = self.opts.mesh
+
+        def wrap_state(flat: list) -> list:
+            flat = wrap(flat)
+            for k in keep:
+                flat[k] = KeptTensor.of(flat[k], specs[k].at_sizes(specs[k].global_shape(
+                    flat[k].shape)), mesh)  # fmt: skip
+            return flat
+
+        return wrap_state
 
     def __call__(self, *args):
-        if any_kept():  # a kept tensor where this graph takes a global one: its value gathered
-            for i in self.other_inputs:
-                a = args[i] if i < len(args) else None
-                if isinstance(a, torch.Tensor) and not is_dtensor(a):
-                    gather(a)
-        held = self._held(args)
         args = self._program_args(args)
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
         training = torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         )
-        if training and held:  # training takes global state: the kept shards gathered first
-            for i in held:
-                gather(args[i])
-            held = {}
-        key = (training, *self._key(args, held))
+        key = (training, *self._key(args))
         entry = self.entries.get(key)
+        if entry is None and self.dynamic is not None and not training:
+            entry = self._symbolic_entry(args)
         if entry is None:
-            entry = self.entries[key] = self._build(args, training, held)
+            entry = self.entries[key] = self._build(args, training)
         flat = entry(args)
         return tuple(flat) if self.returns_sequence else flat[0]
 
-    def _build(self, args, training=False, held=None):
+    def _symbolic_entry(self, args):
+        """The runner of the symbolic program (one for every size of the dynamic dims) whose shape
+        guards this call meets; built on the first call that meets none; None where this graph
+        gets a program per size instead (a plan that splits a dynamic dim, ...)."""
+        mesh = self.opts.mesh_spec if not self.opts.simulate else None
+        layouts = tuple(_layout(spec_of(a, mesh)) if is_sharded_arg(a) else type(a) for a in args)
+        # (Python numbers dynamo lifted to 0-d tensors are baked into a capture: their values too)
+        baked = tuple(args[i].item() for i in sorted(self.baked) if i < len(args))
+        skey = (self.dynamic.static_key(args), layouts, baked)
+        for check, entry in self.symbolic.get(skey, ()):
+            if check(args):
+                return entry
+        if skey in self.per_size:
+            return None
+        try:
+            entry, check = self._build(args, False, dynamic=self.dynamic)
+        except NotSymbolic as e:
+            self.per_size.add(skey)
+            log.info(
+                "fxshard: a graph whose sizes change between calls (dynamic shapes) gets a "
+                "program per size: %s",
+                e,
+            )
+            return None
+        self.symbolic.setdefault(skey, []).append((check, entry))
+        return entry
+
+    def _build(self, args, training=False, dynamic=None):
         opts = self.opts
-        held = held or {}
-        # DTensor arguments: their specs are their placeholders', their global shapes are captured
+        # DTensor and sharded KeptTensor arguments: their specs are their placeholders', their
+        # global shapes are captured
         dt_specs = {
             i: spec_of(a, opts.mesh_spec, f"argument {i}")
             for i, a in enumerate(args)
-            if is_dtensor(a)
+            if is_sharded_arg(a)
         }
-        args = tuple(standin(a) if i in dt_specs else a for i, a in enumerate(args))
-        # state held sharded comes in as its shard (like a DTensor); other candidates may go sharded
-        dt_specs.update({i: k.spec for i, k in held.items()})
+        # KeptTensors not sharded yet (fxshard.kept): placed freely, an update in place handed
+        # back in the program's placement (no gather)
         kept_state = frozenset(
             i
-            for i in self.state_names
-            if i not in dt_specs and not training and isinstance(args[i], torch.Tensor)
+            for i, a in enumerate(args)
+            if is_kept(a) and i not in dt_specs and not training and not opts.simulate
+        )
+        args = tuple(
+            standin(a) if i in dt_specs else a.local if is_kept(a) else a
+            for i, a in enumerate(args)
         )
         # the batch is the leading dim of the first user input; other inputs (rope tables handed to
         # a layer's frame after a graph break, masks) stay replicated on the data-parallel dims
@@ -496,8 +553,14 @@ class ShardedGraph:
             arg_specs=dt_specs,
             kept_state=kept_state,
             auto_options=opts.auto_options,
+            dynamic=dynamic,
         )
-        self.programs.append(prog)
+        if dynamic is not None:
+            why = splits_dynamic(prog.global_graph)
+            if why:
+                raise NotSymbolic(f"the plan splits a dim whose size changes: {why}")
+            prog.lowered_graph  # noqa: B018 (restoring the symbolic graph may fail: say so now)
+        self.programs_numbered.append((next(_BUILT), prog))
         if training:
             return self._training_entry(prog, dt_specs)
         arg_index = [info(p).arg_index for p in prog.placeholders]
@@ -529,18 +592,26 @@ class ShardedGraph:
             ]
 
         if opts.simulate:
-            return lambda a: write_back(a, prog.simulate_placeholders(values(a)))
+            run = lambda a: write_back(a, prog.simulate_placeholders(values(a)))  # noqa: E731
+            return (run, self._shape_guards(prog)) if dynamic is not None else run
         compiled = CompiledProgram(
             prog, opts.mesh, inductor=opts.inductor, own_state=False, agreement=opts.agreement
         )
         kinds = [info(p).kind for p in prog.placeholders]
         fqns = [info(p).fqn for p in prog.placeholders]
         state = prog.captured.state
-        check = self._agreement(prog, compiled.agreement, skip=set(held))
+        check = self._agreement(prog, compiled.agreement)
         wrap = self._output_wrapper(prog)
-        going = self._going_sharded(prog, compiled, kept_state)
-        if opts.state == "global" and not opts.simulate:
-            self._hint_state(prog)
+        updated_inputs = {r.what for r in prog.output_roles() if r.kind == "mutate_input"}
+        # KeptTensors the program updates in place: into their shard (sharded ones), or into a new
+        # shard they then hold in the program's placement (fxshard.kept's, replicated until now)
+        held = {
+            rec.arg_index: spec
+            for p, spec in zip(prog.placeholders, compiled.specs)
+            if (rec := info(p)).kind == INPUT and rec.input_index in updated_inputs
+            and (rec.arg_index in dt_specs or rec.arg_index in kept_state)
+        }  # fmt: skip
+        self._hint_state(prog, held)
 
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):
@@ -553,69 +624,76 @@ class ShardedGraph:
                     t = a[i]
                     if kind in STATE_KINDS:
                         local.append(self._cached_shard(i, t, spec, compiled))
-                    elif i in held:  # its shard, updated in place
-                        targets[i] = kept(t).local
-                        local.append(targets[i])
                     elif i in dt_specs:
                         local.append(local_arg(t, spec, compiled.coord_ints, f"argument {i}"))
+                    elif i in kept_state:
+                        local.append(compiled.local_of(t.local, spec))
                     else:
                         local.append(compiled.local_of(t, spec))
-                t = None  # (no reference of ours to an argument outlives its use: runtime.state)
-                for i, spec in going.items():  # a new shard to hold the updated value in
-                    targets[i] = torch.empty(
-                        spec.local_shape(compiled.coord_ints), dtype=spec.dtype, device=a[i].device
-                    )
+                for i, spec in held.items():
+                    if i in dt_specs and is_kept(a[i]):
+                        targets[i] = a[i].local
+                    elif i in kept_state:
+                        targets[i] = torch.empty(
+                            spec.at_sizes(a[i].shape).local_shape(compiled.coord_ints),
+                            dtype=spec.dtype,
+                            device=a[i].device,
+                        )
                 outs = write_back(a, compiled.run_local(local), targets)
-                for i, spec in going.items():
-                    what = f"{self.sources[i]} (argument {i} of {prog.name})"
-                    name = self.state_names[i]
-                    if not keep(a[i], targets[i], spec, opts.mesh, what, name, a):
-                        with torch.no_grad():  # stays global: its new value gathered
-                            a[i].copy_(wrap_output(targets[i], opts.mesh, spec).full_tensor())
+                for i, spec in held.items():
+                    if i in kept_state:
+                        a[i].hold(targets[i], spec.at_sizes(a[i].shape), opts.mesh)
                 return wrap(outs)
 
-        return run
+        return (run, self._shape_guards(prog)) if dynamic is not None else run
 
     @staticmethod
-    def _going_sharded(prog, compiled, kept_state) -> dict:
-        """{argument index: spec} of the plain state inputs the program updates in place and hands
-        back sharded: their new values are held as shards (``runtime.state``), not written back."""
-        mutated = {r.what for r in prog.output_roles() if r.kind == "mutate_input"}
-        out = {}
-        for p, spec in zip(prog.placeholders, compiled.specs):
-            rec = info(p)
-            if rec.kind == INPUT and rec.arg_index in kept_state and rec.input_index in mutated:
-                if any(not isinstance(pl, Replicate) for pl in spec.placements):
-                    out[rec.arg_index] = spec
-        return out
+    def _shape_guards(prog):
+        """check(args): whether a call's sizes meet what the symbolic program was traced and
+        compiled for (its ShapeEnv's guards, read after Inductor added its own)."""
+        sym = prog.captured.symbolic
+        return shape_guards(sym.mode, sym.inputs)
 
-    def _hint_state(self, prog) -> None:
-        """Say (once per program) which object attributes the program updates in place sharded and
-        gathers back every call, where state='sharded' would keep them sharded."""
+    def _hint_state(self, prog, held) -> None:
+        """Say (once per program) which object attributes it gathers for the caller every call
+        where they could stay sharded: plain tensors it updates in place sharded (written back
+        global: ``fxshard.kept`` makes them stay sharded), and with state="global" the tensors it
+        stores into attributes sharded."""
         by_input = {info(p).input_index: info(p).arg_index for p in prog.placeholders}
         out = next(n for n in reversed(prog.global_graph.graph.nodes) if n.op == "output")
-        names = []
-        for role, node in zip(prog.output_roles(), flat_outputs(out)):
+        updated, stored = [], []
+        for k, (role, node) in enumerate(zip(prog.output_roles(), flat_outputs(out))):
             i = by_input.get(role.what) if role.kind == "mutate_input" else None
-            if i not in self.attributes or not isinstance(node, fx.Node):
+            gathered = (
+                isinstance(node, fx.Node)
+                and info(node).kind == NodeKind.REDISTRIBUTE
+                and isinstance(info(node.args[0]).spec, ShardingSpec)
+                and any(not isinstance(p, Replicate) for p in info(node.args[0]).spec.placements)
+            )
+            if not gathered:
                 continue
-            src = node.args[0] if info(node).kind == NodeKind.REDISTRIBUTE else None
-            spec = info(src).spec if isinstance(src, fx.Node) else None
-            if isinstance(spec, ShardingSpec) and any(
-                not isinstance(pl, Replicate) for pl in spec.placements
-            ):  # its new value is gathered for the write-back
-                names.append(self.sources[i])
-        if names:
+            if i in self.attributes and i not in held:
+                updated.append(self.sources[i])
+            elif role.kind == "output" and k in self.stored_global:
+                stored.append(self.stored_global[k])
+        if updated:
             log.info(
-                "fxshard: %s updates %d object attribute(s) in place sharded and gathers them "
-                "back every call (%s); options={'state': 'sharded'} keeps them sharded between "
-                "calls (a KV cache: no collective on it per token)",
+                "fxshard: %s updates %s in place sharded and writes the value back global every "
+                "call (a tensor allocated outside the compiled code keeps its identity); allocate "
+                "it inside the compiled code, or wrap it: obj.attr = fxshard.kept(tensor), to keep "
+                "it sharded between calls",
                 prog.name,
-                len(names),
-                ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+                ", ".join(updated[:3]) + (", ..." if len(updated) > 3 else ""),
+            )
+        if stored:
+            log.info(
+                "fxshard: %s stores %s sharded and gathers them every call (state='global'); "
+                "state='sharded' keeps them sharded between calls",
+                prog.name,
+                ", ".join(stored[:3]) + (", ..." if len(stored) > 3 else ""),
             )
 
-    def _agreement(self, prog, agreement, skip=frozenset()):
+    def _agreement(self, prog, agreement):
         """check(args): the ranks' check of this call (its first calls only): the graph's user
         inputs and (first call) the parameters / buffers it runs on, by their dynamo sources."""
         inputs, state = [], []
@@ -623,14 +701,18 @@ class ShardedGraph:
             rec = info(p)
             if rec.kind in STATE_KINDS and rec.arg_index is not None:
                 state.append((rec.fqn, rec.arg_index))
-            elif rec.kind == INPUT and rec.arg_index not in skip:  # skip: held sharded
+            elif rec.kind == INPUT:
                 inputs.append((f"input {p.name}", rec.arg_index))
 
         def check(a):
             # DTensor arguments differ across ranks by design (their spec is in the signature)
             if agreement.active:
                 agreement.check(
-                    {n: a[i] for n, i in inputs if not is_dtensor(a[i])},
+                    {
+                        n: a[i].local if is_kept(a[i]) else a[i]
+                        for n, i in inputs
+                        if not is_sharded_arg(a[i])
+                    },
                     {f: a[i] for f, i in state},
                 )
 
@@ -710,6 +792,11 @@ class ShardedGraph:
         return local
 
 
+def _layout(spec: ShardingSpec) -> tuple:
+    """A spec without its shape: what a symbolic program fixes of a DTensor argument."""
+    return (spec.placements, spec.levels, spec.dtype)
+
+
 def fxshard_backend(
     gm: fx.GraphModule, example_inputs: Sequence, options: dict | None = None, **kwargs
 ) -> ShardedGraph:
@@ -733,4 +820,10 @@ def fxshard_backend(
     return graph
 
 
-__all__ = ["fxshard_backend", "compiled_programs", "BackendOptions", "ShardedGraph"]
+__all__ = [
+    "fxshard_backend",
+    "compiled_programs",
+    "programs_built",
+    "BackendOptions",
+    "ShardedGraph",
+]

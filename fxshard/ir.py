@@ -45,7 +45,7 @@ PARAM, BUFFER, CONSTANT, INPUT, TANGENT = (
 )
 STATE_KINDS = (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT)
 # an input_placements entry: a plain input the program may place freely and, if it updates it in
-# place, hands back placed like it (state kept sharded between calls: ``runtime.state``)
+# place, hands back placed like it (a KeptTensor that is not sharded yet: ``runtime.boundary``)
 KEPT_STATE = "kept state"
 GRAD_TAG = "grad:"  # boundary tag of a complete gradient: "grad:<forward node name>"
 
@@ -204,6 +204,17 @@ def output_roles(output: fx.Node) -> list[Role]:
     """The role of every flat output: the joint graph's, else ("output", i) each."""
     rec = info(output)
     return list(rec.roles) or [Role("output", i) for i in range(len(flat_outputs(output)))]
+
+
+class NotSymbolic(ValueError):
+    """A graph gets no program for every size of its dynamic dims (the backend builds one per size
+    instead): a placement splits one, or a shape cannot be traced symbolically."""
+
+
+def whole_dims(val: object) -> tuple[int, ...]:
+    """The dims of a value whose size changes between calls (dynamic shapes: the hinted values of
+    ``capture.symbolic``): a program for every size never splits them."""
+    return getattr(val, "_fxshard_dynamic", ())
 
 
 def where(rec: NodeInfo) -> str:

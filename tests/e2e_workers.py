@@ -349,7 +349,7 @@ def _kinds(progs) -> list[list[str]]:
 def _compiled_since(n0):
     from fxshard.backend import compiled_programs
 
-    return compiled_programs()[n0:]
+    return compiled_programs(n0)
 
 
 def dtensor_backend(rank, world):
@@ -359,14 +359,14 @@ def dtensor_backend(rank, world):
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    from fxshard.backend import compiled_programs
+    from fxshard.backend import programs_built
 
     torch.manual_seed(0)
     dm = init_device_mesh("cpu", (world,))
     out = {}
     x = torch.randn(8, 6)
     # elementwise on a Shard(0) DTensor: no collective, a Shard(0) DTensor back
-    n0 = len(compiled_programs())
+    n0 = programs_built()
     f = torch.compile(
         lambda t: torch.relu(t) * 2 + 1,
         backend="fxshard",
@@ -382,7 +382,7 @@ def dtensor_backend(rank, world):
     )
     # an uneven DTensor (7 rows on the ranks): its uneven shards run as they are, no collective
     x7 = torch.randn(7, 6)
-    n0 = len(compiled_programs())
+    n0 = programs_built()
     y = f(distribute_tensor(x7, dm, [Shard(0)]))
     out["uneven"] = dict(
         type=type(y).__name__,
@@ -394,7 +394,7 @@ def dtensor_backend(rank, world):
     torch._dynamo.reset()
     mlp = zoo.init_weights(zoo.MLP(dim=6, hidden=8), seed=1)
     h = torch.relu(mlp.fc1(x)).detach()
-    n0 = len(compiled_programs())
+    n0 = programs_built()
     g = torch.compile(
         nn.Sequential(mlp.fc2),
         backend="fxshard",
@@ -419,7 +419,7 @@ def dtensor_backend(rank, world):
         opts = {"mesh": dm, "plan": zoo.mlp_plan()}
         if mode != "global":
             opts["outputs"] = "dtensor"
-        n0 = len(compiled_programs())
+        n0 = programs_built()
         cm = torch.compile(model, backend="fxshard", options=opts)
         with implicit_replication(), torch.no_grad():
             y = cm(x)
@@ -695,19 +695,19 @@ def uneven_model(rank, world, path, steps=2):
 
 
 class CacheLayer:
-    """A user's own KV cache layer: plain tensors as attributes, updated in place."""
+    """A user's own KV cache layer: tensors as attributes, updated in place; allocated eagerly
+    (``k`` and ``v`` given), or by the first forward that finds none (``None``)."""
 
-    def __init__(self, batch, heads, length, head_dim):
-        self.k = torch.zeros(batch, heads, length, head_dim)
-        self.v = torch.zeros(batch, heads, length, head_dim)
+    def __init__(self, k=None, v=None):
+        self.k, self.v = k, v
 
 
 class CachedBlock(nn.Module):
     """One attention block over a static cache object (``layer.k`` / ``layer.v``)."""
 
-    def __init__(self, dim=64, heads=4):
+    def __init__(self, dim=64, heads=4, length=8):
         super().__init__()
-        self.heads, self.hd = heads, dim // heads
+        self.heads, self.hd, self.length = heads, dim // heads, length
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x, pos, layer):
@@ -716,6 +716,9 @@ class CachedBlock(nn.Module):
         def split(y):
             return y.view(b, t, self.heads, self.hd).transpose(1, 2)
 
+        if layer.k is None:  # allocated inside the compiled code: kept sharded from the start
+            layer.k = x.new_zeros(b, self.heads, self.length, self.hd)
+            layer.v = x.new_zeros(b, self.heads, self.length, self.hd)
         layer.k.index_copy_(2, pos, split(self.k(x)))
         layer.v.index_copy_(2, pos, split(self.v(x)))
         att = torch.softmax(split(self.q(x)) @ layer.k.transpose(-1, -2) / self.hd**0.5, -1)
@@ -730,110 +733,89 @@ def _cache_plan():
 
 
 def own_cache_state(rank, world):
-    """A decode loop over a user's cache object compiled with state="sharded": outputs per step vs
-    single device, the collectives of the steady decode program, the cache's shard between calls,
-    an eager read of it (gathered), a cache also held in a list (stays global), and a write behind
-    its object's back (an error)."""
+    """A decode loop over a user's cache object (the default state="sharded"), its tensors made
+    three ways: by the compiled code itself, eagerly through fxshard.kept, eagerly as plain
+    tensors.  Per way: outputs vs single device, the steady decode program's collectives, what
+    the cache holds between calls; then an eager read and an eager in-place write of a kept
+    cache, and the log line for the plain one."""
     import copy
+    import logging
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.backend import compiled_programs
-    from fxshard.runtime.state import kept
+    import fxshard
+    from fxshard.backend import compiled_programs, programs_built
 
     torch.manual_seed(0)
     ref = CachedBlock()
     dm = init_device_mesh("cpu", (world,))
-    torch._dynamo.reset()
-    model = torch.compile(
-        copy.deepcopy(ref),
-        backend="fxshard",
-        options={"mesh": dm, "plan": _cache_plan(), "state": "sharded"},
-    )
     xs = torch.randn(6, 2, 1, 64, generator=torch.Generator().manual_seed(1))
-    mine, theirs = CacheLayer(2, 4, 8, 16), CacheLayer(2, 4, 8, 16)
-    n0 = len(compiled_programs())
-    err, held = 0.0, []
-    with torch.no_grad():
-        for i in range(4):
-            pos = torch.tensor([i])
-            err = max(err, _rel(model(xs[i], pos, mine), ref(xs[i], pos, theirs)))
-            k = kept(mine.__dict__["k"])
-            held.append(None if k is None else (k.spec.placements, tuple(k.local.shape)))
-        progs = compiled_programs()[n0:]
-        out = dict(
-            err=err,
-            held=held,
-            programs=len(progs),
-            decode=[(c.kind, c.bytes) for c in progs[-1].collectives()],
-            type=type(mine).__name__,
-        )
-        # an eager read gathers: the global cache of single device, and the shard is dropped
-        out["eager_k"] = _rel(mine.k, theirs.k)
-        out["dropped"] = kept(mine.__dict__["k"]) is None
-        # the next call takes the (now global) cache again, and equals single device
-        pos = torch.tensor([4])
-        out["after_read"] = _rel(model(xs[4], pos, mine), ref(xs[4], pos, theirs))
-        # a cache tensor a list also refers to stays global (a read through the list is right)
-        other, other_ref = CacheLayer(2, 4, 8, 16), CacheLayer(2, 4, 8, 16)
-        listed = [other.k]
-        for i in range(2):
-            pos = torch.tensor([i])
-            e = _rel(model(xs[i], pos, other), ref(xs[i], pos, other_ref))
-        out["listed"] = dict(err=e, kept=kept(other.__dict__["k"]) is not None,
-                             read=_rel(listed[0], other_ref.k))  # fmt: skip
-        # written behind its object's back: the next call says so
-        raw = mine.__dict__["v"]
-        model(xs[5], torch.tensor([5]), mine)
-        raw.add_(1.0)
-        try:
-            model(xs[5], torch.tensor([6]), mine)
-            out["behind"] = "no error"
-        except RuntimeError as e:
-            out["behind"] = str(e)
-        # state="global": the cache is gathered every call, and the backend says so (info)
-        import logging
 
-        said = []
-        handler = logging.Handler(logging.INFO)
-        handler.emit = lambda rec: said.append(rec.getMessage())
-        logger = logging.getLogger("fxshard")
-        level = logger.level
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        try:
+    def zeros():
+        return torch.zeros(2, 4, 8, 16)
+
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda rec: said.append(rec.getMessage())
+    logger = logging.getLogger("fxshard")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = {}
+    try:
+        for way in ("inside", "kept", "plain"):
             torch._dynamo.reset()
-            plain = torch.compile(copy.deepcopy(ref), backend="fxshard",
+            model = torch.compile(copy.deepcopy(ref), backend="fxshard",
                                   options={"mesh": dm, "plan": _cache_plan()})  # fmt: skip
-            n0 = len(compiled_programs())
-            g, g_ref = CacheLayer(2, 4, 8, 16), CacheLayer(2, 4, 8, 16)
-            for i in range(2):
-                pos = torch.tensor([i])
-                e = _rel(plain(xs[i], pos, g), ref(xs[i], pos, g_ref))
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-        out["global"] = dict(
-            err=e,
-            kept=kept(g.__dict__["k"]) is not None,
-            kinds=sorted(c.kind for c in compiled_programs()[-1].collectives()),
-            hint=[m for m in said if "'state': 'sharded'" in m],
-        )
+            if way == "inside":
+                mine = CacheLayer()
+            elif way == "kept":
+                mine = CacheLayer(fxshard.kept(zeros()), fxshard.kept(zeros()))
+            else:
+                mine = CacheLayer(zeros(), zeros())
+            theirs = CacheLayer(zeros(), zeros())
+            n0 = programs_built()
+            err, held = 0.0, []
+            with torch.no_grad():
+                for i in range(4):
+                    pos = torch.tensor([i])
+                    err = max(err, _rel(model(xs[i], pos, mine), ref(xs[i], pos, theirs)))
+                    k = mine.k
+                    kept = isinstance(k, fxshard.KeptTensor)
+                    held.append((type(k).__name__, str(k.spec) if kept else None,
+                                 tuple(k.local.shape) if kept else None))  # fmt: skip
+                progs = compiled_programs(n0)
+                r = dict(err=err, held=held, programs=len(progs),
+                         decode=[(c.kind, c.bytes) for c in progs[-1].collectives()])  # fmt: skip
+                # an eager read is the global cache (gathered); an eager in-place write goes into
+                # the shards; the next call goes on from both
+                r["eager_k"] = _rel(mine.k * 1, theirs.k)
+                mine.v.mul_(0.5)
+                theirs.v.mul_(0.5)
+                pos = torch.tensor([4])
+                r["after"] = _rel(model(xs[4], pos, mine), ref(xs[4], pos, theirs))
+                r["kept_after"] = type(mine.v).__name__
+            out[way] = r
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    out["hint"] = [m for m in said if "fxshard.kept" in m]
     return out
 
 
-def hf_static_cache_state(rank, world):
-    """transformers' Llama, its own tp_plan, generate() with a static cache under
-    state="sharded": greedy and sampled tokens vs single device (twice: the cache is reset and
-    reused), the decode program's collectives, and the cache held sharded between direct calls
-    (read eagerly: single device's cache)."""
+def hf_cache_state(rank, world):
+    """transformers' Llama under its own tp_plan with the default state="sharded": generate() with
+    its default DynamicCache and with a static cache, greedy (twice: no new program the second
+    time) and sampled tokens vs single device, the programs built and the decode program's
+    collectives (nothing on the cache); direct calls with a DynamicCache (its tensors held as
+    heads' shards between calls, read eagerly: single device's cache); state="global" for
+    comparison (the cache gathered every call)."""
     import copy
 
     import transformers as T
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.backend import compiled_programs
-    from fxshard.runtime.state import kept
+    from fxshard.backend import compiled_programs, programs_built
 
     torch.manual_seed(0)
     cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -843,41 +825,48 @@ def hf_static_cache_state(rank, world):
     with torch.no_grad():
         for p in ref.parameters():  # larger weights: the greedy tokens vary
             p.mul_(3)
-    model = copy.deepcopy(ref)
     dm = init_device_mesh("cpu", (world,))
-    torch._dynamo.reset()
-    opts = {"mesh": dm, "plan": model.tp_plan, "state": "sharded"}
-    model.compile(backend="fxshard", options=opts)
     x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=6, cache_implementation="static")
     out = {}
-    n0 = len(compiled_programs())
-    with torch.no_grad():
-        want = ref.generate(x, do_sample=False, **kw)
-        out["greedy"] = [bool(torch.equal(model.generate(x, do_sample=False, **kw), want))
-                         for _ in range(2)]  # fmt: skip
-        out["varied"] = len(set(want[:, 8:].flatten().tolist()))
-        # (a graph that only reads an attribute through the hook's property moves nothing)
-        progs = [p for p in compiled_programs()[n0:] if p.collectives()]
-        out["programs"] = len(progs)
-        out["decode"] = [(c.kind, c.bytes) for c in progs[-1].collectives()]
-        torch.manual_seed(3)
-        want = ref.generate(x, do_sample=True, top_k=0, **kw)
-        torch.manual_seed(3)
-        out["sampled"] = bool(torch.equal(model.generate(x, do_sample=True, top_k=0, **kw), want))
-        # direct calls with one StaticCache: the cache stays sharded in between
-        caches = [T.StaticCache(config=cfg, max_cache_len=12) for _ in range(2)]
-        errs = []
-        for step in range(3):
-            ids = x if step == 0 else x[:, :1] + step
-            got = model(ids, past_key_values=caches[0], use_cache=True).logits
-            errs.append(_rel(got, ref(ids, past_key_values=caches[1], use_cache=True).logits))
-        layer = caches[0].layers[0]
-        k = kept(layer.__dict__["keys"])
-        out["direct"] = dict(
-            err=max(errs),
-            held=None if k is None else (k.spec.placements, tuple(k.local.shape)),
-            keys=_rel(layer.keys, caches[1].layers[0].keys),
-            dropped=kept(layer.__dict__["keys"]) is None,
+    for state in ("sharded", "global"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(ref)
+        model.compile(
+            backend="fxshard", options={"mesh": dm, "plan": model.tp_plan, "state": state}
         )
+        for cache in ("dynamic", "static") if state == "sharded" else ("dynamic",):
+            kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=10)
+            if cache == "static":
+                kw["cache_implementation"] = "static"
+            r = {}
+            with torch.no_grad():
+                want = ref.generate(x, do_sample=False, **kw)
+                n0 = programs_built()
+                r["greedy"] = [bool(torch.equal(model.generate(x, do_sample=False, **kw), want))
+                               for _ in range(2)]  # fmt: skip
+                r["varied"] = len(set(want[:, 8:].flatten().tolist()))
+                progs = compiled_programs(n0)
+                r["programs"] = len(progs)
+                r["symbolic"] = [p.symbolic for p in progs]
+                r["decode"] = sorted((c.kind, c.bytes) for c in progs[-1].collectives())
+                torch.manual_seed(3)
+                want = ref.generate(x, do_sample=True, top_k=0, **kw)
+                torch.manual_seed(3)
+                got = model.generate(x, do_sample=True, top_k=0, **kw)
+                r["sampled"] = bool(torch.equal(got, want))
+                r["after_sampling"] = len(compiled_programs(n0))
+            out[f"{state}/{cache}"] = r
+        if state == "sharded":  # direct calls: the DynamicCache stays sharded in between
+            caches = [T.DynamicCache(config=cfg) for _ in range(2)]
+            errs = []
+            with torch.no_grad():
+                for step in range(3):
+                    ids = x if step == 0 else x[:, :1] + step
+                    got = model(ids, past_key_values=caches[0], use_cache=True).logits
+                    want = ref(ids, past_key_values=caches[1], use_cache=True).logits
+                    errs.append(_rel(got, want))
+            k = caches[0].layers[0].keys
+            out["direct"] = dict(err=max(errs), type=type(k).__name__, spec=str(k.spec),
+                                 local=tuple(k.local.shape), shape=tuple(k.shape),
+                                 keys=_rel(k * 1, caches[1].layers[0].keys))  # fmt: skip
     return out

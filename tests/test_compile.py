@@ -16,7 +16,7 @@ from models import MLP, ConvNet, Llama, example_input, init_weights, megatron_tp
 
 import fxshard
 from fxshard import zoo
-from fxshard.backend import ShardedGraph, compiled_programs
+from fxshard.backend import ShardedGraph, compiled_programs, programs_built
 from fxshard.ir import info
 from fxshard.runtime.launch import spawn
 
@@ -122,9 +122,9 @@ def test_graph_break_gives_the_same_result():
     plain = init_weights(Llama())
     x = example_input(model)
     f = _compile(model, MESH_DP_TP, megatron_tp_plan())
-    n_before = len(compiled_programs())
+    n_before = programs_built()
     _close(f(*x), plain(*x))
-    progs = compiled_programs()[n_before:]
+    progs = compiled_programs(n_before)
     # dynamo compiles each layer's frame on its own after a break in the loop (and may reuse one
     # layer's graph for the next: placements are then layer 0's, values layer 1's, still correct):
     # parameters are found by FQN in the whole model, so the plan applies, 2 all-reduces per layer
@@ -177,9 +177,9 @@ def test_wrapped_forwards_and_traced_constants(outer):
     plan = {f"{'model.' if outer else ''}{k}": v for k, v in mlp_plan().items()}
     (x,) = example_input(model.model if outer else model)
     f = _compile(model, MESH_TP, plan)
-    n_before = len(compiled_programs())
+    n_before = programs_built()
     _close(f(x), ref(x))
-    (prog,) = compiled_programs()[n_before:]
+    (prog,) = compiled_programs(n_before)
     assert _kinds(prog) == {"all_reduce": 1}, prog.explain()
     # under autograd: the joint program, single-device gradients
     torch._dynamo.reset()
@@ -206,10 +206,10 @@ def test_function_of_a_list_of_modules_without_a_plan():
 
     torch._dynamo.reset()
     g = torch.compile(f, backend="fxshard", options={"mesh": MESH_TP, "plan": {}, "simulate": True})
-    n_before = len(compiled_programs())
+    n_before = programs_built()
     with torch.no_grad():
         _close(g(x, mods), f(x, mods))
-    (prog,) = compiled_programs()[n_before:]
+    (prog,) = compiled_programs(n_before)
     fqns = sorted(info(p).fqn for p in prog.placeholders if info(p).fqn)
     assert fqns == ["ms[0].bias", "ms[0].weight", "ms[1].bias", "ms[1].weight"], fqns  # frame names
 
@@ -234,9 +234,9 @@ def test_hugging_face_llama_default_call_with_its_tp_plan():
     with torch.no_grad():
         want = model(x).logits
         f = _compile(model, MESH_TP, model.tp_plan)
-        n_before = len(compiled_programs())
+        n_before = programs_built()
         _close(f(x).logits, want)
-    (prog,) = compiled_programs()[n_before:]
+    (prog,) = compiled_programs(n_before)
     kinds = _kinds(prog)
     # 4 all-reduces (2 layers x attention, mlp) and the gathered logits; the default call's
     # DynamicCache hands its keys and values back global: one all-gather each per layer
@@ -296,9 +296,9 @@ def test_gpt2_conv1d_is_a_transposed_linear():
     with torch.no_grad():
         want = model(x).logits
     f = _compile(model, MESH_TP, plan)
-    n_before = len(compiled_programs())
+    n_before = programs_built()
     _close(f(x).logits, want)
-    (prog,) = compiled_programs()[n_before:]
+    (prog,) = compiled_programs(n_before)
     assert _kinds(prog) == {"all_reduce": 2}, prog.explain()
     specs = {info(p).fqn: str(info(p).spec) for p in prog.placeholders if info(p).fqn}
     assert specs["transformer.h.0.mlp.c_fc.weight"] == "S(1)"
@@ -586,11 +586,11 @@ def test_an_input_updated_in_place_is_written_back():
     ref.load_state_dict(model.state_dict())
     torch._dynamo.reset()
     f = _compile(model, MESH_TP, {"fc": "colwise"})
-    n0 = len(compiled_programs())
+    n0 = programs_built()
     mine, theirs = torch.zeros(2, 6, 8), torch.zeros(2, 6, 8)
     for t in range(4):
         x, pos = torch.randn(2, 1, 8), torch.tensor([t])
         with torch.no_grad():
             _close(f(x, mine, pos), ref(x, theirs, pos))
         assert torch.equal(mine, theirs), t
-    assert len(compiled_programs()) - n0 == 1
+    assert len(compiled_programs(n0)) == 1

@@ -225,51 +225,62 @@ def test_parallelize_state_dict_keys_are_the_models_here_and_nested(fake_world):
 
 @pytest.mark.slow
 def test_a_users_cache_object_stays_sharded_between_calls():
-    """state="sharded": a user's cache object (tensors as attributes, updated in place) stays
-    heads-sharded between decode calls, so a step costs the plan's one all-reduce of (2, 1, 64)
-    and nothing on the cache (state="global" gathers it every call); outputs equal single device;
-    an eager read of the attribute gathers the cache (single device's) and the next call goes on
-    from it; a cache tensor a list also holds stays global (the list reads the value); a write to
-    the tensor behind its object's back is an error on the next call, not a stale read."""
+    """A user's cache object (tensors as attributes, updated in place) under the default
+    state="sharded": made by the compiled code itself, or eagerly through fxshard.kept, it is
+    held as each rank's heads (a KeptTensor) between decode calls, so a step costs the plan's one
+    all-reduce of (2, 1, 64) and nothing on the cache; outputs equal single device; an eager read
+    is the global cache and an eager in-place write lands in the shards.  Made eagerly as plain
+    tensors (whose identity is the caller's) it is written back global every call, and the
+    backend says how to keep it sharded."""
     for r in spawn(2, e2e_workers.own_cache_state, timeout=600):
-        assert r["err"] < 1e-5 and r["after_read"] < 1e-5, r
-        assert r["held"] == [((Shard(1),), (2, 2, 8, 16))] * 4, r
-        assert r["decode"] == [("all_reduce", 2 * 64 * 4)], r
-        assert r["programs"] == 2, r  # global cache in (first call), then its shard
-        assert r["type"] == "CacheLayer"  # the hook keeps the user's class name
-        assert r["eager_k"] == 0.0 and r["dropped"], r
-        assert r["listed"] == {"err": r["listed"]["err"], "kept": False, "read": 0.0}, r
-        assert r["listed"]["err"] < 1e-5
-        assert "written to directly" in r["behind"] and "L['layer'].v" in r["behind"], r
-        g = r["global"]  # state="global": gathered every call, and said once
-        assert g["err"] < 1e-5 and not g["kept"], g
-        assert g["kinds"] == ["all_gather", "all_gather", "all_reduce"], g
-        assert len(g["hint"]) == 1 and "L['layer'].k" in g["hint"][0], g
+        for way in ("inside", "kept"):
+            w = r[way]
+            assert w["err"] < 1e-5 and w["after"] < 1e-5 and w["eager_k"] < 1e-6, (way, w)
+            assert w["held"] == [("KeptTensor", "S(1)", (2, 2, 8, 16))] * 4, (way, w)
+            assert w["decode"] == [("all_reduce", 2 * 64 * 4)], (way, w)
+            assert w["kept_after"] == "KeptTensor", (way, w)
+        assert r["inside"]["programs"] == 2, r  # allocating, then updating
+        assert r["kept"]["programs"] == 2, r  # replicated in, then its shard
+        p = r["plain"]
+        assert p["err"] < 1e-5 and p["after"] < 1e-5 and p["held"][0][0] == "Tensor", p
+        assert sorted(k for k, _ in p["decode"]) == ["all_gather", "all_gather", "all_reduce"]
+        assert len(r["hint"]) >= 1 and "L['layer'].k" in r["hint"][0], r["hint"]
 
 
 @pytest.mark.slow
-def test_hf_static_cache_stays_sharded_in_generate():
-    """transformers' Llama under its own tp_plan, generate(cache_implementation="static") with
-    state="sharded": greedy tokens equal single device on two generations (the second resets
-    the cache: gathered, zeroed, reused), sampled tokens too for one seed; a decode step costs
-    the plan's 2 all-reduces per layer + the head's gather and nothing on the cache; between
-    direct calls the StaticCache layers hold their heads' shard, and reading them eagerly gives
-    single device's cache."""
-    for r in spawn(2, e2e_workers.hf_static_cache_state, timeout=900):
-        assert r["greedy"] == [True, True] and r["sampled"], r
-        assert r["varied"] > 3, r
-        batch, hidden, vocab = 2, 64, 128
-        want = [("all_reduce", batch * hidden * 4)] * 4 + [("all_gather", batch * vocab * 4 // 2)]
-        assert r["decode"] == want, r
-        assert r["programs"] == 3, r  # prefill, first decode (global cache in), decode
+def test_hf_caches_stay_sharded_in_generate():
+    """transformers' Llama under its own tp_plan, default options: generate() with its default
+    DynamicCache and with a static cache gives single device's greedy tokens (twice, the second
+    time with no new program) and sampled tokens; a DynamicCache generation builds three programs
+    however many tokens it makes (prefill, first decode, then one symbolic decode program for
+    every length), a static one two; a decode step costs the plan's 2 all-reduces per layer +
+    the head's gather and nothing on the cache.  Between direct calls the DynamicCache holds each
+    rank's heads (KeptTensors) and reads eagerly as single device's cache.  state="global" gathers
+    the cache every step instead."""
+    batch, hidden, vocab = 2, 64, 128
+    step = sorted(
+        [("all_reduce", batch * hidden * 4)] * 4 + [("all_gather", batch * vocab * 4 // 2)]
+    )
+    for r in spawn(2, e2e_workers.hf_cache_state, timeout=900):
+        for key in ("sharded/dynamic", "sharded/static", "global/dynamic"):
+            g = r[key]
+            assert g["greedy"] == [True, True] and g["sampled"] and g["varied"] > 3, (key, g)
+        dyn, static = r["sharded/dynamic"], r["sharded/static"]
+        assert dyn["programs"] == 3 and dyn["symbolic"] == [False, False, True], dyn
+        assert dyn["after_sampling"] == 3, dyn
+        assert static["programs"] == static["after_sampling"] == 2, static
+        assert dyn["decode"] == step and static["decode"] == step, r
+        glob = r["global/dynamic"]["decode"]
+        assert [k for k, _ in glob].count("all_gather") == 1 + 4, glob  # + every cache tensor
         d = r["direct"]
-        assert d["err"] < 1e-5 and d["keys"] < 1e-6 and d["dropped"], d
-        assert d["held"] == ((Shard(1),), (2, 2, 12, 8)), d
+        assert d["err"] < 1e-5 and d["keys"] < 1e-6 and d["type"] == "KeptTensor", d
+        assert d["spec"] == "S(1)" and d["local"] == (2, 2, 10, 8) and d["shape"] == (2, 4, 10, 8)
 
 
 def test_state_option_and_which_arguments_are_state():
     from fxshard.backend import _attribute
 
+    assert BackendOptions.parse({"mesh": (2,), "plan": {}, "simulate": True}).state == "sharded"
     with pytest.raises(ValueError, match="state must be one of"):
         BackendOptions.parse({"mesh": (2,), "plan": {}, "simulate": True, "state": "local"})
     assert _attribute("L['kwargs']['past_key_values'].layers[0].keys", {}) == "keys"
@@ -284,55 +295,42 @@ def test_state_option_and_which_arguments_are_state():
         assert _attribute(src, {}) is None, src
 
 
-def test_the_state_hook_reads_through_in_compiled_code():
-    """The class hook runtime.state puts on a cache object: the object keeps its class's name and
-    behaviour (an instance of it), compiled code reads the attribute as it is (no gather traced),
-    eager code with nothing held reads it too; only plain objects own state (a module's tensor
-    attribute is not hooked)."""
-    from fxshard.runtime import state
+def test_a_kept_tensor_is_the_global_tensor_to_eager_code_and_traces_as_one():
+    """A KeptTensor not sharded yet (fxshard.kept) is its tensor to eager code: values, in-place
+    ops (written into it), metadata, a detached view sharing it; the repr gathers nothing;
+    dynamo traces it through its flatten / unflatten (no graph break) and a graph that stores a
+    new tensor into an object's attribute is found (the backend keeps those sharded)."""
+    from fxshard._torch import attribute_outputs
 
-    class Layer:
-        def __init__(self):
-            self.k = torch.arange(6.0).reshape(2, 3)
+    t = torch.arange(6.0).reshape(2, 3)
+    k = fxshard.kept(t.clone())
+    assert isinstance(k, torch.Tensor) and k.shape == (2, 3) and not k.sharded
+    assert torch.equal(k + 1, t + 1) and k.sum().item() == 15.0
+    k.add_(1)
+    assert torch.equal(k.local, t + 1) and torch.equal(k * 1, t + 1)
+    k.zero_()
+    assert float(k.local.abs().sum()) == 0.0
+    d = k.detach()
+    d.fill_(2.0)
+    assert float(k.local.sum()) == 12.0  # one shard: the detached view shares it
+    assert "KeptTensor(shape=(2, 3)" in repr(k) and "replicated" in repr(k)
 
-        def bump(self):
-            self.k.add_(1)
-            return self.k.sum()
+    class Cache:
+        def __init__(self, keys):
+            self.keys = keys
 
-    class Guarded:  # its own property for the name: reads are not the instance dict's
-        @property
-        def k(self):
-            return self.__dict__["k"]
-
-        @k.setter
-        def k(self, v):
-            self.__dict__["k"] = v
-
-    layer, guarded = Layer(), Guarded()
-    guarded.k = torch.zeros(2)
-    assert state._owners(layer.k, "k") == [layer]
-    mod = torch.nn.Module()
-    mod.k = torch.zeros(2)
-    assert state._owners(mod.k, "k") == [] and state._owners(guarded.k, "k") == []
-    state._hook(layer, "k")
-    hooked = type(layer)
-    assert hooked.__name__ == "Layer" and isinstance(layer, Layer)
-    assert hooked is not Layer and "k" in hooked._fxshard_kept
-    assert state._owners(layer.k, "k") == [layer]  # hooked already: still an owner
-    state._hook(layer, "k")
-    fresh = Layer()
-    state._hook(fresh, "k")
-    assert type(layer) is hooked and type(fresh) is hooked  # once per class: one subclass
-    graphs = []
+    stored = []
 
     def backend(gm, example):
-        graphs.append(gm)
+        stored.append(attribute_outputs(gm))
         return gm
 
+    def step(cache, x):
+        cache.keys = torch.cat([cache.keys, x], dim=1)
+        return cache.keys.sum()
+
     torch._dynamo.reset()
-    bump = torch.compile(lambda obj: obj.bump(), backend=backend)
-    assert float(bump(layer)) == 21.0 and float(layer.k.sum()) == 21.0
-    assert len(graphs) == 1  # no graph break at the property
-    assert not any("gather" in str(n.target) for n in graphs[0].graph.nodes)
-    layer.k = torch.zeros(3)  # the setter stores the new tensor
-    assert layer.__dict__["k"] is layer.k and state.kept(layer.k) is None
+    f = torch.compile(step, backend=backend)
+    cache = Cache(fxshard.kept(torch.ones(2, 3)))
+    assert float(f(cache, torch.ones(2, 1))) == 8.0
+    assert len(stored) == 1 and list(stored[0].values()) == ["Cache.keys"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxshard
-from fxshard.backend import compiled_programs
+from fxshard.backend import compiled_programs, programs_built
 from fxshard.ir import info
 
 T = pytest.importorskip("transformers")
@@ -137,27 +137,13 @@ def test_compile_default_call(name):
     for decoders)."""
     model, plan, _, x, _ = _build(name)
     ref = copy.deepcopy(model)
-    n0 = len(compiled_programs())
+    n0 = programs_built()
     with torch.no_grad():
         _close(_compile(model, plan)(x).logits, ref(x).logits)
-    assert all(not p.warnings for p in compiled_programs()[n0:])
+    assert all(not p.warnings for p in compiled_programs(n0))
 
 
-def _train_params(name):
-    if name in MOES:
-        return pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                raises=RuntimeError,
-                strict=True,
-                reason="transformers' grouped_mm_fallback (fp32 experts under torch.compile) "
-                "reads its offsets with .tolist() in backward: not traceable",
-            ),
-        )
-    return name
-
-
-@pytest.mark.parametrize("name", [_train_params(n) for n in ARCHS])
+@pytest.mark.parametrize("name", list(ARCHS))
 def test_training_with_labels(name):
     """loss = model(x, labels=...).loss; loss.backward() through the backend: loss and every
     gradient of single device."""
@@ -190,21 +176,20 @@ def test_generate(name):
 
 def test_generate_with_a_static_cache_builds_two_programs():
     """generate(cache_implementation="static"): the cache tensors are updated in place by the
-    compiled decode step (written back), so one generation builds two programs, prefill and
-    decode, however many tokens it makes (a DynamicCache grows, and every length is a new
-    program); the tokens of single device."""
+    compiled decode step, so one generation builds two programs, prefill and decode, however
+    many tokens it makes; the tokens of single device."""
     model, plan, _, x, _ = _build("llama")
     ref = copy.deepcopy(model)
     torch._dynamo.reset()
     model.compile(backend="fxshard", options={"mesh": MESH, "plan": plan, "simulate": True})
     mask = torch.ones_like(x)
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
-    n0 = len(compiled_programs())
+    n0 = programs_built()
     with torch.no_grad():
         got = model.generate(x, **kw)
         want = ref.generate(x, **kw)
     assert torch.equal(got, want)
-    assert len(compiled_programs()) - n0 == 2
+    assert len(compiled_programs(n0)) == 2
 
 
 def test_moe_experts_are_sharded_as_the_tp_plan_says():
@@ -241,6 +226,37 @@ def test_moe_layers_cost_the_megatron_minimum(name):
     assert counts == {"all_reduce": 2 * layers, "all_gather": 1}, counts  # + the head's gather
     with torch.no_grad():
         _close(prog.simulate(x), wrapped(x))
+
+
+@pytest.mark.parametrize("name", sorted(MOES))
+def test_expert_parallelism_with_the_models_ep_plan(name):
+    """The model's expert-parallel plan (transformers' ``base_model_ep_plan``: ``grouped_gemm``
+    experts' weights, an ``ep_router`` gate, ``moe_tp_experts``): each rank holds a block of whole
+    experts (the fused weights' dim 0) and computes their rows of the routed tokens; the experts'
+    output is summed.  Forward and training through the backend equal single device, and no
+    weight is ever moved."""
+    model, _, _, x, labels = _build(name)
+    plan = dict(model._ep_plan)
+    assert "grouped_gemm" in plan.values() and "ep_router" in plan.values()
+    ref = copy.deepcopy(model)
+    n0 = programs_built()
+    with torch.no_grad():
+        _close(_compile(model, plan)(x).logits, ref(x).logits)
+    (prog,) = compiled_programs(n0)
+    experts = {info(p).fqn: str(info(p).spec) for p in prog.placeholders
+               if info(p).fqn and ".experts." in info(p).fqn}  # fmt: skip
+    assert experts and set(experts.values()) == {"S(0)"}, experts
+    assert all(c.bytes <= x.numel() * 64 * 4 for c in prog.collectives()), prog.explain()
+    model.train()
+    ref.train()
+    want = ref(x, labels=labels).loss
+    want.backward()
+    loss = _compile(model, plan)(x, labels=labels).loss
+    loss.backward()
+    _close(loss, want)
+    for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
 
 
 def test_parameter_entries_need_tp_plan_strings():

@@ -132,3 +132,18 @@ def test_the_committed_exclusions_are_loaded():
     assert any("fill_" in op for op in table), sorted(table)
     plc = (torch.distributed.tensor.placement_types.Partial(),)
     assert excluded.is_excluded(torch.ops.aten.fill_.Scalar, ((plc,), (plc,))) is not None
+
+
+def test_the_grouped_matmul_stand_ins_rules_are_right():
+    """fxshard's traceable stand-ins for transformers' grouped_mm_fallback (its forward and the
+    two ops of its backward) against single device, every strategy, experts with no rows
+    included."""
+    from fxshard.rules.ops import GROUPED_MM, GROUPED_MM_WEIGHT_GRAD
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(12, 8, generator=g), torch.randn(12, 16, generator=g)
+    w = torch.randn(3, 8, 16, generator=g)
+    offs = torch.tensor([3, 3, 10], dtype=torch.int32)  # expert 1 gets nothing, rows 10+ none
+    for op, args in ((GROUPED_MM, (x, w, offs)), (GROUPED_MM_WEIGHT_GRAD, (x, dy, offs))):
+        report = rulecheck.check_rule(op, [(args, {})], meshes=[(2,), (2, 2)], exclude=False)
+        assert report.checked > 0 and not report.wrong, report

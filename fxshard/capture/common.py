@@ -7,6 +7,7 @@ fake-tensor ``meta["val"]``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from .._torch import (
     control_flow_op,
@@ -24,6 +26,7 @@ from .._torch import (
     record_frames_of,
 )
 from ..ir import BOUNDARY, INPUT, TANGENT, NodeKind, info
+from ..rules import stand_ins
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Captured:
     stage: str = "captured"  # captured -> annotated -> redistributed
     warnings: list[str] = field(default_factory=list)  # annotate's fallbacks
     auto: object = None  # plan="auto": the solver's AutoReport
+    # dynamic shapes: the symbolic graph the (hinted) ``gm`` stands for (``capture.symbolic``)
+    symbolic: object = None
 
     @property
     def mesh(self):
@@ -72,6 +77,24 @@ class FnModule(nn.Module):
 
     def forward(self, *args):
         return self.fn(*args)
+
+
+class _StandIns(TorchFunctionMode):
+    """Calls of library ops replaced by fxshard's traceable stand-ins (``rules.ops``)."""
+
+    def __init__(self, table: dict):
+        super().__init__()
+        self.table = table
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.table.get(func, func)(*args, **(kwargs or {}))
+
+
+def stand_in_ops():
+    """Context of a training capture: library ops whose autograd cannot be traced run as
+    fxshard's stand-ins (transformers' grouped_mm_fallback as ``fxshard::grouped_mm``)."""
+    table = stand_ins()
+    return _StandIns(table) if table else contextlib.nullcontext()
 
 
 def decomposition_table() -> dict:

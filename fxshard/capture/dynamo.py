@@ -21,7 +21,16 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.traceback import preserve_node_meta
 
-from .._torch import describe, fake_mode, fake_mode_of, placeholder_source
+from .._torch import (
+    describe,
+    fake_mode,
+    fake_mode_of,
+    is_fake,
+    placeholder_source,
+    symbolic_empty,
+    symbolic_fake,
+    symbolic_fake_mode,
+)
 from ..ir import BOUNDARY, BUFFER, CONSTANT, INPUT, PARAM, Role, info
 from .common import (
     Captured,
@@ -34,6 +43,7 @@ from .common import (
     source_root,
 )
 from .joint import capture_joint
+from .symbolic import DynamicDims, SymbolicGraph, hinted
 
 _SOURCE_PART = re.compile(
     r"\.(_modules|_parameters|_buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z_0-9]*)"
@@ -190,11 +200,14 @@ def capture_dynamo_graph(
     roots: dict[str, str] | None = None,
     sources: Sequence[str | None] | None = None,
     training: bool = False,
+    dynamic: DynamicDims | None = None,
 ) -> Captured:
     """A dynamo graph + this call's concrete arguments -> a Captured ATen graph (``training``: the
     joint forward+backward graph, parameters' gradients as gradients of those inputs).
 
-    Shapes are specialised to ``args`` (the backend captures once per input signature).
+    Shapes are specialised to ``args``, except with ``dynamic`` (forward graphs): its dims are
+    traced symbolically (``capture.symbolic``), the Captured graph is the hinted twin and
+    ``Captured.symbolic`` the symbolic graph.
     Placeholders become parameters / buffers (by their dynamo source, e.g.
     ``L['self']._modules['fc1']._parameters ['weight']`` -> ``fc1.weight``) or user inputs; SymInt
     arguments are baked in as their values."""
@@ -210,9 +223,10 @@ def capture_dynamo_graph(
         f = fqn_of.get(a)
         return f is not None and f.startswith(module_fqn + ".")
 
+    # Python numbers first: a module boundary would otherwise count one as a module input
+    _bake_python_scalars(gm, placeholders, args)
     if boundaries:
         _insert_dynamo_boundaries(gm, boundaries, own, roots)
-    _bake_python_scalars(gm, placeholders, args)
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     fixed = {
         i: (int(a) if isinstance(a, (int, torch.SymInt)) else a)
@@ -227,8 +241,12 @@ def capture_dynamo_graph(
 
     if training:
         return _capture_dynamo_joint(run, args, tensor_pos, kinds)
-    mode = fake_mode(allow_non_fake_inputs=False)
-    fakes = [mode.from_tensor(args[i].detach()) for i in tensor_pos]
+    if dynamic is not None:
+        mode, fakes, inputs = _symbolic_inputs(args, tensor_pos, dynamic)
+        fixed.update({i: v for i, v in enumerate(inputs) if i not in tensor_pos and v is not None})
+    else:
+        mode = fake_mode(allow_non_fake_inputs=False)
+        fakes = [mode.from_tensor(args[i].detach()) for i in tensor_pos]
     with warnings.catch_warnings(), preserve_node_meta():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         traced = make_fx(
@@ -257,7 +275,30 @@ def capture_dynamo_graph(
         info(n).arg_index = i
     traced.graph.lint()
     traced.recompile()
+    if dynamic is not None:
+        symbolic = SymbolicGraph(traced, mode, inputs)
+        return Captured(hinted(traced), state, n_inputs, None, symbolic=symbolic)
     return Captured(traced, state, n_inputs, None)
+
+
+def _symbolic_inputs(args, tensor_pos, dynamic: DynamicDims) -> tuple:
+    """(fake mode, fakes of the tensor arguments, every argument's stand-in) for a symbolic
+    capture: the dims ``dynamic`` names are symbols of a ShapeEnv of ours (dims of equal size
+    share one, as dynamo's do, until a call tells them apart), SymInt arguments the sizes they
+    stand for."""
+    mode = symbolic_fake_mode()
+    fakes = {}
+    for i in tensor_pos:
+        a = args[i].detach()
+        dims = dynamic.tensors.get(i, ())
+        if is_fake(a):  # a DTensor's global value (never allocated)
+            fakes[i] = symbolic_empty(mode, a.shape, dims, a.dtype, a.device, f"a{i}")
+        else:
+            fakes[i] = symbolic_fake(mode, a, dims, f"a{i}")
+    inputs = [fakes.get(i) for i in range(len(args))]
+    for i, (j, d) in dynamic.sizes.items():
+        inputs[i] = fakes[j].shape[d]
+    return mode, [fakes[i] for i in tensor_pos], inputs
 
 
 def _lift_constants(gm: fx.GraphModule, mode, prefix: str = "") -> dict[str, torch.Tensor]:

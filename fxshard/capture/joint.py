@@ -38,6 +38,7 @@ from .common import (
     decomposition_table,
     drop_trace_checks,
     record,
+    stand_in_ops,
     take_scalar_inputs,
     trace_error,
 )
@@ -145,6 +146,7 @@ def _export(module: nn.Module, example_inputs: Sequence, boundaries, reuse_layer
             Markers(module, boundaries) as markers,
             warnings.catch_warnings(),
             lazy_graph_modules(),
+            stand_in_ops(),
         ):
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             # reuse_layers stops a trace from inside a layer's backward (a fallback): not an error

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -487,6 +487,23 @@ class ShardingSpec:
 
     def __str__(self) -> str:
         return placements_str(self.placements, self.levels)
+
+    def at_sizes(self, shape: Sequence[int]) -> ShardingSpec:
+        """This spec for a value of another global ``shape`` differing only in dims it does not
+        split (dynamic shapes: a program for every size of a whole dim)."""
+        shape = tuple(int(n) for n in shape)
+        if shape == self.shape:
+            return self
+        if len(shape) != len(self.shape) or any(
+            lv and a != b for a, b, lv in zip(shape, self.shape, self.levels)
+        ):
+            raise ValueError(f"{self} of {self.shape} cannot describe a value of {shape}")
+        return replace(self, shape=shape)
+
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        """The global shape of a value whose shard (on any rank) has ``local_shape``, where the
+        dims this spec does not split may have any size."""
+        return tuple(n if lv else int(m) for n, m, lv in zip(self.shape, local_shape, self.levels))
 
 
 @lru_cache(maxsize=1 << 16)

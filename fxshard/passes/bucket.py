@@ -18,7 +18,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .._torch import c10d
+from .._torch import c10d, is_symbolic
 from ..core.config import DEFAULT_BUCKET_BYTES
 from ..ir import info
 
@@ -63,6 +63,8 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -
         if key is None or wait is None or not isinstance(n.args[0], fx.Node):
             continue
         x = n.args[0]
+        if any(is_symbolic(d) for d in x.meta["val"].shape):
+            continue  # dynamic shapes: its size is not known until it runs
         first_use = min((order[u] for u in wait.users), default=math.inf)
         items.append(
             (

@@ -26,13 +26,24 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._torch import COLLECTIVE_OPS, Replicate, fake_mode, per_rank, simulating
+from .._torch import (
+    COLLECTIVE_OPS,
+    Replicate,
+    fake_mode,
+    fake_mode_of,
+    is_symbolic,
+    per_rank,
+    simulating,
+    size_hint,
+)
 from ..core.cost import CostModel
 from ..core.spec import ShardingSpec, is_even, local_extent, mesh_coords, placements_str
 from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
 from ..planner import plan_in_program, plan_is_even
 from ..planner.execute import MeshGroups, execute_plan
 from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
+from ..rules.ops import GROUPED_MM_EXPERTS, GROUPED_MM_WEIGHT_GRAD, GROUPED_MM_WEIGHT_GRAD_EXPERTS
+from ..rules.own import is_grouped_mm
 
 aten = torch.ops.aten
 # ops taking their output's global shape as an argument (at this position): the local one on a
@@ -137,6 +148,24 @@ def local_shape(spec: ShardingSpec, coord=None) -> tuple:
     return per_rank(spec.local_shape)(coord)
 
 
+def symbolic_dims(val: object) -> tuple[int, ...]:
+    """The dims of a value of a symbolic graph whose size is a symbol (dynamic shapes)."""
+    if not isinstance(val, torch.Tensor):
+        return ()
+    return tuple(d for d, n in enumerate(val.shape) if is_symbolic(n))
+
+
+def local_sizes(val: object, spec: ShardingSpec, local: Sequence, given=None) -> list:
+    """The local sizes of a value: ``local`` (the spec's, from its hinted shape), except in the
+    dims whose size is symbolic (never split, so local = global): there the size the graph itself
+    computes (``given``: the op's size argument, evaluated: a SymInt when traced, a number when
+    run), else the value's own symbolic size."""
+    out = list(local)
+    for d in symbolic_dims(val):
+        out[d] = given[d] if given is not None else val.shape[d]
+    return out
+
+
 def _traced(coord) -> bool:
     return isinstance(coord, torch.Tensor)
 
@@ -163,7 +192,7 @@ class _LocalInterpreter(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             i = _SIZE_ARG_OPS[n.target]
             args = list(args)
-            args[i] = list(self.local_shape(rec.spec))
+            args[i] = local_sizes(n.meta.get("val"), rec.spec, self.local_shape(rec.spec), args[i])
             if n.target is aten.new_empty_strided.default:
                 args[i + 1] = _local_strides(args[i + 1], args[i])
             if n.target in (aten.view.default, aten._unsafe_view.default):
@@ -196,6 +225,17 @@ class _LocalInterpreter(fx.Interpreter):
             return n.target(*args, **kwargs)
         if n.target in SHAPE_RANDOM_OPS and _sharded(rec.spec):
             return self._random(n, rec)
+        if is_grouped_mm(n.target) and _experts_sharded(rec.input_specs):
+            # expert parallelism: this rank's experts, on the rows of the global sorted tokens
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            offs = args[2] if len(args) > 2 else kwargs["offs"]
+            first = _index_tensor(_first_index(rec.input_specs[1], self.coord))
+            return GROUPED_MM_EXPERTS(args[0], args[1], offs, first)
+        if n.target is GROUPED_MM_WEIGHT_GRAD and rec.spec.levels[0]:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            first = _index_tensor(_first_index(rec.spec, self.coord))
+            count = self.local_shape(rec.spec)[0]
+            return GROUPED_MM_WEIGHT_GRAD_EXPERTS(*args, first, count)
         if n.target is EMBEDDING and rec.input_specs and rec.input_specs[0].levels[0]:
             # the weight's rows (the vocabulary) are sharded: a masked local lookup, summed by the
             # plan
@@ -296,18 +336,39 @@ def _sharded(spec) -> bool:
     return any(isinstance(s, ShardingSpec) and s.num_shards > 1 for s in specs)
 
 
-def _vocab_parallel_embedding(weight, indices, wspec, coord):
-    """Rows outside this rank's vocab slice contribute zeros; the sum over ranks is the lookup."""
+def _first_index(spec: ShardingSpec, coord):
+    """The global index of this rank's first row of ``spec``'s dim 0 (its length where the rank
+    holds none): coordinate arithmetic on the traced coordinate (even rows), else per rank
+    (torch.chunk's layout)."""
     if _traced(coord):  # even rows: offset = coordinate x rows per rank, as index arithmetic
-        n = wspec.shape[0]
+        n = spec.shape[0]
         offset = None
-        for m, _sf in wspec.levels[0]:
-            k = wspec.mesh.shape[m]
+        for m, _sf in spec.levels[0]:
+            k = spec.mesh.shape[m]
             n = n // k
             term = coord[m] * n
             offset = term if offset is None else offset + term
-    else:  # this rank's first row (uneven rows: torch.chunk's layout; an empty shard: all masked)
-        offset = per_rank(_first_row)(wspec, coord)
+        return offset
+    return per_rank(_first_row)(spec, coord)
+
+
+def _index_tensor(index):
+    """An index as the 0-d tensor an op takes (per rank where it differs by rank)."""
+    if isinstance(index, torch.Tensor):
+        return index
+    return per_rank(lambda i: torch.scalar_tensor(i, dtype=torch.long))(index)
+
+
+def _experts_sharded(input_specs) -> bool:
+    """A grouped matmul whose weight's experts (dim 0) are split over ranks."""
+    w = input_specs[1] if len(input_specs) > 1 else None
+    return isinstance(w, ShardingSpec) and bool(w.levels[0])
+
+
+def _vocab_parallel_embedding(weight, indices, wspec, coord):
+    """Rows outside this rank's vocab slice contribute zeros; the sum over ranks is the lookup
+    (uneven rows: torch.chunk's layout; an empty shard: all masked)."""
+    offset = _first_index(wspec, coord)
     local = indices - offset
     mask = (local < 0) | (local >= weight.shape[0])
     # an empty shard (fewer rows than ranks) looks up a zero row instead of indexing nothing
@@ -341,18 +402,21 @@ def lower_to_local(
         where = coord if fixed is None else fixed
         return _LocalInterpreter(gm, groups, where, device).run(*args)
 
-    fm = fake_mode(allow_non_fake_inputs=True)
+    vals = [p.meta.get("val") for p in placeholders]
+    # a symbolic graph (dynamic shapes) is traced in its own fake mode: its sizes' symbols
+    symbolic = any(symbolic_dims(v) for v in vals)
+    fm = fake_mode_of(vals) if symbolic else fake_mode(allow_non_fake_inputs=True)
     with fm:
         fakes = [torch.zeros(mesh_ndim, dtype=torch.long, device=device)]
-        for p in placeholders:
+        for p, val in zip(placeholders, vals):
             spec = info(p).spec
-            val = p.meta.get("val")
             where = (
                 device
                 if device is not None
                 else (val.device if isinstance(val, torch.Tensor) else None)
             )
-            fakes.append(torch.empty(local_shape(spec, fixed), dtype=spec.dtype, device=where))
+            sizes = local_sizes(val, spec, local_shape(spec, fixed))
+            fakes.append(torch.empty(sizes, dtype=spec.dtype, device=where))
     local = make_fx(run, tracing_mode="fake")(*fakes)
     # name the inputs after the global graph's placeholders (the first is the mesh coordinate)
     names = ["mesh_coord"] + [p.name for p in placeholders]
@@ -434,7 +498,7 @@ def _record_collectives(local: fx.GraphModule, gm: fx.GraphModule, coord: tuple)
     own = _own_bytes(gm, coord)
     for n, c, mine in zip(nodes, planned, own):
         v = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
-        sent = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else mine
+        sent = size_hint(v.numel()) * v.element_size() if isinstance(v, torch.Tensor) else mine
         info(n).carries = (dataclasses.replace(c, padding=max(0, round(sent - mine))),)
 
 

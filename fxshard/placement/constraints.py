@@ -81,14 +81,18 @@ HF_STYLES = {
         output_layouts=Replicate(), desired_output_layouts=Replicate()
     ),
     # fused 3-D experts whose weights the plan shards by parameter entries (packed_colwise
-    # gate_up_proj, rowwise down_proj): tokens and routing in replicated, the summed output out
+    # gate_up_proj, rowwise down_proj; grouped_gemm: whole experts per rank, expert parallelism):
+    # tokens and routing in replicated, the summed output out
     "moe_tp_experts": lambda: "moe_tp_experts",
+    # the router of an expert-parallel plan: transformers masks each rank's routing to its own
+    # experts; the global program routes every token as single device does (the experts' grouped
+    # matmuls compute only a rank's experts), so the router is an ordinary replicated layer
+    "ep_router": lambda: "replicate",
+    "grouped_gemm": lambda: "grouped_gemm",  # (a parameter style: experts' weights, dim 0)
 }
 
 # styles whose layers fxshard has no rules for yet, and what each would need
 HF_STYLES_NOT_YET = {
-    "grouped_gemm": "expert-parallel experts (grouped_mm rules and all-to-all token routing)",
-    "ep_router": "expert-parallel routing (data-dependent token dispatch)",
     "megamoe_router": "MegaMoE routing (data-dependent token dispatch)",
     "megamoe_experts": "MegaMoE experts (grouped_mm rules)",
     "moe_identity_expert": "MoE identity experts (expert routing)",
@@ -174,8 +178,9 @@ def resolve_plan(
     params = dict(model.named_parameters(remove_duplicate=False))
     # a transformers model's own tp_plan covers every variant of its architecture (dense and MoE
     # layers): as transformers does, entries that match nothing in this model are skipped
-    own_plan = getattr(model, "tp_plan", None)
-    hf_own = isinstance(own_plan, dict) and bool(own_plan) and dict(plan) == dict(own_plan)
+    # a model's own plans (its tp_plan, its expert-parallel plan) cover its architecture's variants
+    own_plans = [getattr(model, "tp_plan", None), getattr(model, "_ep_plan", None)]
+    hf_own = any(isinstance(p, dict) and p and dict(plan) == dict(p) for p in own_plans)
     out = PlanConstraints(dim=dim)
     for pattern, style in plan.items():
         raw = style if isinstance(style, str) else None
@@ -342,6 +347,11 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
         need(1, 1)
         out.boundaries[f"{fqn}:in:0"] = (Replicate(), prov)
         out.boundaries[f"{fqn}:out:0"] = (Replicate(), prov)
+    elif style == "grouped_gemm":
+        raise ValueError(
+            f"{prov}: grouped_gemm shards a fused experts' weight parameters (entries such as "
+            f"'layers.*.mlp.experts.gate_up_proj'), not the module {fqn!r}"
+        )
     elif style == "replicate":
         for name, _ in mod.named_parameters():
             out.params[f"{fqn}.{name}" if fqn else name] = (Replicate(), prov)
@@ -382,7 +392,7 @@ def _apply_param_style(out: PlanConstraints, fqn: str, param, style: str, prov: 
         placement = Shard(nd - 1) if nd >= 2 else Replicate()
     elif style == "packed_rowwise":
         placement = StridedShard(nd - 1, split_factor=2) if nd >= 2 else Replicate()
-    elif style == "embedding_rowwise":
+    elif style in ("embedding_rowwise", "grouped_gemm"):  # grouped_gemm: experts, dim 0
         placement = Shard(0)
     elif style in ("replicate", "replicated_with_grad_allreduce"):
         placement = Replicate()

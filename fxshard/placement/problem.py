@@ -57,6 +57,7 @@ from ..ir import (
     TANGENT,
     NodeInfo,
     NodeKind,
+    NotSymbolic,
     Role,
     arg_key,
     flat_outputs,
@@ -66,6 +67,7 @@ from ..ir import (
     tensor_args,
     used_outputs,
     where,
+    whole_dims,
 )
 from ..planner import plan_in_program
 from .constraints import PlanConstraints
@@ -280,7 +282,7 @@ def normalize(p: Placement, ndim: int) -> Placement:
 
 def _leaf_key(v):
     if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), v.dtype)
+        return (tuple(v.shape), v.dtype, whole_dims(v))
     return v if isinstance(v, (int, float, bool, str, type(None), torch.dtype)) else repr(v)
 
 
@@ -349,11 +351,19 @@ class PlacementProblem:
                     f"{placements.shape} ({placements.dtype}) on mesh {placements.mesh.shape}, the "
                     f"value is {tuple(val.shape)} ({val.dtype}) on {self.mesh.shape}"
                 )
-            return placements
-        placements = tuple(normalize(p, val.ndim) for p in placements)
-        return ShardingSpec.make(
-            self.mesh, placements, tuple(val.shape), val.dtype, order, what=what
-        )
+            spec = placements
+        else:
+            placements = tuple(normalize(p, val.ndim) for p in placements)
+            spec = ShardingSpec.make(
+                self.mesh, placements, tuple(val.shape), val.dtype, order, what=what
+            )
+        whole = whole_dims(val)
+        if whole and any(spec.levels[d] for d in whole):
+            raise NotSymbolic(
+                f"{what or 'a value'}: {spec} splits dim(s) {whole}, whose size changes between "
+                "calls (dynamic shapes): a program for every size keeps them whole"
+            )
+        return spec
 
     def replicated(self, val: torch.Tensor) -> ShardingSpec:
         return self.spec([Replicate()] * self.mesh.ndim, val)

@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from .dims import normalize_dims
 from .dtensor import dtensor_candidates, has_single_dim_rule, single_dim_rule_count
 from .excluded import drop_excluded
+from .ops import stand_ins
 from .own import (
     BATCH_OPS,
     CONVOLUTION_OPS,
@@ -32,8 +33,10 @@ from .own import (
     batch_candidates,
     embedding_candidates,
     grouped_mm_candidates,
+    grouped_mm_weight_grad_candidates,
     index_put_candidates,
     is_grouped_mm,
+    is_grouped_mm_weight_grad,
     pool_candidates,
     sdpa_candidates,
     shape_random_candidates,
@@ -58,6 +61,9 @@ def candidates(
 
 def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str | None:
     args, kwargs = normalize_dims(op, args, kwargs)
+    skipped = _legacy_empty(op, args)
+    if skipped:
+        return _cat_without(skipped, args, kwargs, device_mesh, input_placements)
     if has_rule(op):
         return user_candidates(op, args, kwargs, device_mesh.ndim)
     if op in FACTORY_OPS:
@@ -68,6 +74,8 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
     if is_grouped_mm(op):
         return grouped_mm_candidates(op, args, kwargs, device_mesh, input_placements)
+    if is_grouped_mm_weight_grad(op):
+        return grouped_mm_weight_grad_candidates(args, kwargs, device_mesh, input_placements)
     if op in VALUE_RANDOM_OPS or op in VALUE_CHECK_OPS or _empty_tensor(args, kwargs):
         # every rank draws the global result; an empty tensor is nothing to split (and DTensor's
         # view rule loops forever on some zero-size shapes)
@@ -96,6 +104,34 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
     return found
 
 
+def _legacy_empty(op, args) -> list[int]:
+    """The inputs of a ``cat`` that it skips: 1-D and empty (``torch.cat([torch.tensor([]), x])``,
+    how a cache starts), next to inputs of other ranks."""
+    if op != STRIDED_CAT or not args or not isinstance(args[0], (list, tuple)):
+        return []
+    ts = args[0]
+    skip = [i for i, t in enumerate(ts) if t.ndim == 1 and t.numel() == 0]
+    if not skip or len(skip) == len(ts) or all(t.ndim == 1 for t in ts):
+        return []
+    return skip
+
+
+def _cat_without(skipped, args, kwargs, device_mesh, input_placements) -> list | None:
+    """A cat's candidates with the inputs it skips left out (then replicated: they hold
+    nothing)."""
+    ts = [t for i, t in enumerate(args[0]) if i not in skipped]
+    plc = [p for i, p in enumerate(input_placements) if i not in skipped]
+    found = _candidates(STRIDED_CAT, (ts, *args[1:]), kwargs, device_mesh, plc)
+    if not isinstance(found, list):
+        return found
+    rep = (Replicate(),) * device_mesh.ndim
+    out = []
+    for ins, outs in found:
+        it = iter(ins)
+        out.append((tuple(rep if i in skipped else next(it) for i in range(len(args[0]))), outs))
+    return out
+
+
 def _empty_tensor(args, kwargs) -> bool:
     import torch
     from torch.utils._pytree import tree_flatten
@@ -119,6 +155,7 @@ _MESHES: dict = {}  # cache: mesh shape -> planning DeviceMesh (no process group
 
 __all__ = [
     "candidates",
+    "stand_ins",
     "rules_mesh",
     "register_rule",
     "unregister_rule",

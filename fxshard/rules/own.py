@@ -267,21 +267,58 @@ def shape_random_candidates(op: OpOverload, args, kwargs, device_mesh: DeviceMes
 # Grouped matmuls of MoE experts: ``(tokens sorted by expert [S, K], weights [E, K, N], offs [E])``
 # -> [S, N], where expert e multiplies the rows between offs[e-1] and offs[e].  transformers runs
 # its experts through ``aten._grouped_mm`` (bf16) or its own opaque ``grouped_mm_fallback``.
-GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
+# (``fxshard::grouped_mm``: the fallback's traceable stand-in for training, ``rules.ops``)
+GROUPED_MM_OPS = frozenset(
+    {"aten::_grouped_mm", "transformers::grouped_mm_fallback", "fxshard::grouped_mm"}
+)
+GROUPED_MM_WEIGHT_GRAD = "fxshard::grouped_mm_weight_grad"
 
 
 def is_grouped_mm(op) -> bool:
     return isinstance(op, OpOverload) and op.name() in GROUPED_MM_OPS
 
 
+def is_grouped_mm_weight_grad(op) -> bool:
+    return isinstance(op, OpOverload) and op.name() == GROUPED_MM_WEIGHT_GRAD
+
+
+def grouped_mm_weight_grad_candidates(args, kwargs, device_mesh: DeviceMesh, input_placements):
+    """``(input [S, K], grad [S, N], offs) -> [E, K, N]``, per mesh dim: the input's features
+    sharded (output dim 1), the gradient's (output dim 2), strided alike where they are (packed
+    gate/up outputs), either Partial (the product is linear in each), or the experts (output dim
+    0: each rank its experts' block); the rows (tokens sorted by expert) stay whole, as the
+    forward's do."""
+    tensors = _tensors(args, kwargs)
+    if len(tensors) != 3 or tensors[0].ndim != 2 or tensors[1].ndim != 2:
+        return []
+    r, p = Replicate(), Partial("sum")
+    base = [((r, r, r), r), ((Shard(1), r, r), Shard(1)), ((r, Shard(1), r), Shard(2)),
+            ((p, r, r), p), ((r, p, r), p), ((r, r, r), Shard(0))]  # fmt: skip
+    per_dim = []
+    for m in range(device_mesh.ndim):
+        cols = list(base)
+        for i, out_dim in ((0, 1), (1, 2)):
+            q = input_placements[i][m] if i < len(input_placements) else None
+            if is_strided_shard(q) and q.dim in (1, -1):
+                out = StridedShard(out_dim, split_factor=strided_split_factor(q))
+                cols.append((tuple(q if j == i else r for j in range(3)), out))
+        per_dim.append(cols)
+    return [
+        (tuple(tuple(c[0][i] for c in combo) for i in range(3)), (tuple(c[1] for c in combo),))
+        for combo in itertools.product(*per_dim)
+    ]
+
+
 def grouped_mm_candidates(
     op: OpOverload, args, kwargs, device_mesh: DeviceMesh, input_placements
 ) -> list:
     """Per mesh dim: every expert's output features sharded (weight dim 2, output dim 1:
-    colwise experts; strided alike where the weight is, as packed gate/up weights are), or the
-    contraction sharded (input dim 1, weight dim 1: rowwise experts, a Partial output), or the
-    input Partial (the product is linear in it).  The tokens and offsets stay replicated: a shard
-    of the sorted tokens would not match the global offsets."""
+    colwise experts; strided alike where the weight is, as packed gate/up weights are), the
+    contraction sharded (input dim 1, weight dim 1: rowwise experts, a Partial output; strided
+    alike where the input is), the input Partial (the product is linear in it), or the experts
+    sharded (weight dim 0: expert parallelism, each rank the rows of its own experts, a Partial
+    output; lowered as ``fxshard::grouped_mm_experts``).  The tokens and offsets stay replicated:
+    a shard of the sorted tokens would not match the global offsets."""
     tensors = _tensors(args, kwargs)
     if len(tensors) < 3 or tensors[0].ndim != 2 or tensors[1].ndim != 3:
         return []
@@ -290,18 +327,26 @@ def grouped_mm_candidates(
     base = [
         ((r, r, r) + (r,) * n_extra, r),
         ((r, Shard(2), r) + (Shard(1),) * n_extra, Shard(1)),
-        ((Shard(1), Shard(1), r) + (r,) * n_extra, p),
     ]
-    if not n_extra:
-        base.append(((p, r, r), p))
+    if not n_extra:  # (a bias would be added once per rank to a Partial output)
+        base += [((Shard(1), Shard(1), r), p), ((p, r, r), p)]
+        # experts sharded (expert parallelism): each rank the rows of its experts, the rest zero
+        base.append(((r, Shard(0), r), p))
+    x_plc = list(input_placements[0]) if input_placements else []
     weight = list(input_placements[1]) if len(input_placements) > 1 else []
     per_dim = []
     for m in range(device_mesh.ndim):
         cols = list(base)
         w = weight[m] if m < len(weight) else None
+        x = x_plc[m] if m < len(x_plc) else None
         if is_strided_shard(w) and w.dim in (2, -1):  # packed output features, strided alike
             out_plc = StridedShard(1, split_factor=strided_split_factor(w))
             cols.append(((r, w, r) + (out_plc,) * n_extra, out_plc))
+        if not n_extra and is_strided_shard(x) and x.dim in (1, -1):
+            # a contraction over packed features (the backward of a packed layer: its output's
+            # gradient times the weight transposed), strided alike on both sides
+            sf = strided_split_factor(x)
+            cols.append(((x, StridedShard(1, split_factor=sf), r), p))
         per_dim.append(cols)
     out = []
     any_strides = op.name() != "aten::_grouped_mm"  # the fallback takes any strides

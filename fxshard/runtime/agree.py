@@ -119,10 +119,26 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def fingerprint(local: torch.fx.GraphModule, specs: Sequence) -> str:
-    """A digest of a per-rank program: its code and the placements of its inputs and outputs."""
-    h = hashlib.sha1(local.code.encode())
+    """A digest of a per-rank program: its ops and their arguments in order (values by position,
+    not by name: a trace names nodes after what it traced before, which a symbolic trace's shape
+    computations make depend on the process's history) and the placements of its inputs and
+    outputs."""
+    h = hashlib.sha1()
+    index = {}
+    for k, n in enumerate(local.graph.nodes):
+        index[n] = k
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        h.update(f"{n.op} {_target_name(n.target)} {args!r}\n".encode())
     h.update(repr([str(s) for s in specs]).encode())
     return h.hexdigest()[:16]
+
+
+def _target_name(target) -> str:
+    """A node's target by name (a Python function's repr carries its address, which differs by
+    process)."""
+    if isinstance(target, str) or not callable(target) or hasattr(target, "_schema"):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
 
 
 def uses_random(gm: torch.fx.GraphModule) -> bool:

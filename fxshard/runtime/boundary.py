@@ -1,4 +1,4 @@
-"""DTensor at program boundaries: a sharded value outside a compiled program is a DTensor.
+"""Sharded values at program boundaries: DTensors, and KeptTensors (state kept sharded).
 
 A DTensor argument's placements and shard order become its placeholder's ``ShardingSpec`` and its
 local tensor is handed to the per-rank program as it is (no communication); an output asked for as
@@ -6,27 +6,73 @@ a DTensor wraps this rank's local result with the program's spec (no gather).  E
 placement and shard order line up with DTensor's layout (both cut blocks in mesh-dim order,
 outermost first), and uneven ones too: both follow torch.chunk (the last ranks hold less, or
 nothing).
+
+**KeptTensor: state that stays sharded between calls.**
+A KV cache object (Hugging Face's ``DynamicCache`` / ``StaticCache`` layers, a user's own cache
+class) holds tensors in attributes that every call's graph replaces (``self.keys =
+torch.cat([self.keys, k])``) or updates in place (``self.keys.index_copy_(...)``).  Handed back
+global, every call would end with an all-gather of the whole cache, and the next call would slice
+it again.  So the backend hands a tensor that a graph stores into an object's attribute back as a
+``KeptTensor`` when the program made it sharded: a tensor of the global shape, dtype and device
+whose value is held as this rank's shard (no gather), and the next program that takes it takes the
+shard as it is (no collective; like a DTensor argument), updating it in place where its graph does.
+
+To every other reader it is the global tensor: an eager op on it (HF's ``reset()``, beam search's
+reordering, a print of its values, ``.tolist()``) first gathers the shards (a collective every rank
+runs at the same point of the same eager code, as SPMD code does), and an in-place eager op
+writes this rank's shard of the result back.  Its shape, dtype and device are the global ones, so
+code that only looks at sizes (``get_seq_length``) gathers nothing.  References to it stay valid
+(the object is the tensor), unlike a global tensor left stale.
+
+A tensor allocated eagerly and updated in place by a graph cannot become a KeptTensor (its
+identity is the caller's and torch cannot swap a tensor dynamo holds a reference to): it is
+written back global.  ``fxshard.kept(t)`` makes one that can: a KeptTensor that starts replicated
+(holding ``t`` itself) and that the first program updating it in place leaves in the program's own
+placement.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._torch import dtensor_layout, dtensor_local, fake_mode, is_dtensor, make_dtensor
+from .._torch import (
+    Partial,
+    Replicate,
+    WrapperTensor,
+    contiguous_strides,
+    dtensor_layout,
+    dtensor_local,
+    fake_mode,
+    is_dtensor,
+    is_fake,
+    make_dtensor,
+    tree_map,
+)
 from ..core.mesh import MeshSpec
 from ..core.spec import ShardingSpec
 
 OUTPUTS = ("global", "dtensor")
+STATES = ("sharded", "global")
+
+
+def is_sharded_arg(x: object) -> bool:
+    """A value a program takes as its local shard: a DTensor, or a sharded KeptTensor."""
+    return is_dtensor(x) or (isinstance(x, KeptTensor) and x.sharded)
 
 
 def spec_of(dt, mesh: MeshSpec, what: str = "a DTensor argument") -> ShardingSpec:
-    """The ShardingSpec of a DTensor on ``mesh`` (the program's mesh)."""
+    """The ShardingSpec of a DTensor (or a sharded KeptTensor) on ``mesh`` (the program's
+    mesh)."""
     if tuple(dt.device_mesh.shape) != tuple(mesh.shape):
         raise ValueError(
             f"{what} lives on a mesh of shape {tuple(dt.device_mesh.shape)}, the program is "
             f"sharded on {mesh.shape}; redistribute it onto the program's DeviceMesh first"
         )
+    if isinstance(dt, KeptTensor):
+        return dt.spec
     placements, order = dtensor_layout(dt)
     return ShardingSpec.make(mesh, placements, tuple(dt.shape), dt.dtype, order, what=what)
 
@@ -44,14 +90,16 @@ def as_program_arg(x, mesh: MeshSpec, what: str):
     """A call argument as the program takes it: a DTensor (checked to be on the program's mesh),
     which the per-rank program runs on as it is, uneven shards included, or a plain (global)
     tensor."""
-    if is_dtensor(x):
+    if is_sharded_arg(x):
         spec_of(x, mesh, what)
     return x
 
 
 def local_arg(dt, spec: ShardingSpec, coord, what: str) -> torch.Tensor:
-    """This rank's local tensor of a DTensor argument, checked against the program's spec."""
-    local = dtensor_local(dt)
+    """This rank's local tensor of a DTensor (or KeptTensor) argument, checked against the
+    program's spec."""
+    local = dt.local if isinstance(dt, KeptTensor) else dtensor_local(dt)
+    spec = spec.at_sizes(dt.shape)  # a symbolic program's spec is for other sizes of whole dims
     want = spec.local_shape(coord)
     if tuple(local.shape) != want:
         raise ValueError(
@@ -62,7 +110,9 @@ def local_arg(dt, spec: ShardingSpec, coord, what: str) -> torch.Tensor:
 
 
 def wrap_output(local: torch.Tensor, device_mesh: DeviceMesh, spec: ShardingSpec):
-    """This rank's shard of an output as a DTensor of the program's spec."""
+    """This rank's shard of an output as a DTensor of the program's spec (at this call's sizes of
+    the dims the spec does not split: dynamic shapes)."""
+    spec = spec.at_sizes(spec.global_shape(local.shape))
     order = {d: ms for d, ms in spec.shard_order}
     if any(sf != 1 for lv in spec.levels for _, sf in lv):
         # genuinely strided levels: the placements carry them, in mesh-dim order only
@@ -98,5 +148,167 @@ def standin(dt) -> torch.Tensor:
     global value of a sharded KV cache may not fit on one rank); capture re-fakes it in its own
     mode."""
     with fake_mode():
-        t = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=dtensor_local(dt).device)
+        t = torch.empty(tuple(dt.shape), dtype=dt.dtype, device=dt.device)
     return t.requires_grad_(dt.requires_grad)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a KeptTensor's value is, but its global shape (which changes as a cache grows,
+    without making it another kind of tensor for dynamo's guards)."""
+
+    mesh: MeshSpec | None  # None: replicated, no mesh yet (``fxshard.kept``)
+    placements: tuple
+    levels: tuple
+    device_mesh: object = None
+
+    def spec(self, shape, dtype) -> ShardingSpec:
+        if self.mesh is None:
+            mesh = MeshSpec((1,))
+            return ShardingSpec.make(mesh, (Replicate(),), tuple(shape), dtype)
+        return ShardingSpec(self.mesh, self.placements, tuple(shape), dtype, self.levels)
+
+
+_LOCAL_FILLS = (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
+
+
+class KeptTensor(WrapperTensor):
+    """A global tensor whose value this rank holds as its shard (see the module docstring).
+
+    ``local`` is this rank's shard, ``spec`` its placement at the current global shape,
+    ``device_mesh`` the mesh it is sharded over."""
+
+    _local: torch.Tensor
+    _layout: Layout
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: Layout, shape, stride=None):
+        stride = contiguous_strides(shape) if stride is None else stride
+        r = WrapperTensor.wrapper(cls, shape, stride, local.dtype, local.device)
+        r._local = local
+        r._layout = layout
+        return r
+
+    @classmethod
+    def of(cls, local: torch.Tensor, spec: ShardingSpec, device_mesh) -> KeptTensor:
+        """This rank's shard ``local`` of a value placed ``spec`` on ``device_mesh``."""
+        layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh)
+        return cls(local, layout, spec.shape)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self._local
+
+    @property
+    def spec(self) -> ShardingSpec:
+        return self._layout.spec(self.shape, self.dtype)
+
+    @property
+    def device_mesh(self):
+        return self._layout.device_mesh
+
+    @property
+    def sharded(self) -> bool:
+        """Whether some mesh dim splits or holds partial values (else the shard is the value)."""
+        return self._layout.mesh is not None and any(
+            not isinstance(p, Replicate) for p in self._layout.placements
+        )
+
+    def hold(self, local: torch.Tensor, spec: ShardingSpec, device_mesh) -> None:
+        """Hold a new shard of this tensor's value (a program updated it in place), placed
+        ``spec``."""
+        if tuple(spec.shape) != tuple(self.shape):
+            raise ValueError(f"a shard of {spec.shape} for a tensor of {tuple(self.shape)}")
+        self._local = local
+        self._layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh)
+
+    def full(self) -> torch.Tensor:
+        """The global value, gathered from the shards (a collective: every rank calls it)."""
+        if is_fake(self._local):  # tracing (dynamo's fake tensors): a global stand-in
+            return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype,
+                                       device=self.device)  # fmt: skip
+        if not self.sharded:
+            return self._local
+        return wrap_output(self._local, self.device_mesh, self.spec).full_tensor()
+
+    def __repr__(self) -> str:  # no gather: a print on one rank must not wait for the others
+        return (
+            f"KeptTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placements="
+            f"{self._layout.placements if self.sharded else '(replicated)'}, local="
+            f"{self._local!r})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_local"], self._layout
+
+    @staticmethod
+    def __tensor_unflatten__(inner, layout, outer_size, outer_stride):
+        return KeptTensor(inner["_local"], layout, outer_size, outer_stride)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func in (aten.detach.default, aten.alias.default) and not kwargs:
+            (self,) = args
+            return KeptTensor(self._local.detach(), self._layout, self.shape, self.stride())
+        if func in _LOCAL_FILLS and isinstance(args[0], KeptTensor) and not kwargs:
+            # a fill with one number is its own shard's fill (a cache's reset), unless the value is
+            # a partial sum (its ranks' shares add up to it)
+            self = args[0]
+            if not any(isinstance(p, Partial) for p in self._layout.placements):
+                func(self._local, *args[1:])
+                return self
+        kept = []
+        full_of = {}
+
+        def unwrap(t):
+            if isinstance(t, KeptTensor):
+                if id(t) not in full_of:
+                    kept.append(t)
+                    full_of[id(t)] = t.full()
+                return full_of[id(t)]
+            return t
+
+        a, k = tree_map(unwrap, (tuple(args), dict(kwargs)))
+        out = func(*a, **k)
+        # an in-place / out= op wrote into the gathered value: this rank's shard of it goes back
+        written = _written_args(func, args, kwargs)
+        for t in kept:
+            if id(t) in written and not is_fake(t._local):
+                full = full_of[id(t)]
+                if t.sharded:
+                    coord = t.device_mesh.get_coordinate()
+                    t._local.copy_(t.spec.local_of(full, coord))
+                elif full is not t._local:
+                    t._local.copy_(full)
+        if written:  # what the op returns of a written argument is the argument
+            back = {id(full_of[id(t)]): t for t in kept if id(t) in written}
+            out = tree_map(lambda o: back.get(id(o), o), out)
+        return out
+
+
+def _written_args(func, args, kwargs) -> set:
+    """ids of the arguments an op writes into (``a.add_(b)``: ``a``; ``out=`` arguments)."""
+    written = set()
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return written
+    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
+    for arg, v in zip(schema.arguments, values):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(v, torch.Tensor):
+            written.add(id(v))
+    return written
+
+
+def kept(t: torch.Tensor) -> KeptTensor:
+    """``t`` as a KeptTensor: replicated (it holds ``t`` itself), and left in the placement of the
+    first fxshard program that updates it in place (a cache allocated eagerly, then updated by
+    compiled code, stays sharded between calls from then on)."""
+    if isinstance(t, KeptTensor):
+        return t
+    return KeptTensor(t.detach(), Layout(None, (), ()), t.shape, t.stride())
+
+
+def is_kept(x: object) -> bool:
+    return isinstance(x, KeptTensor)

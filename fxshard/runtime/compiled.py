@@ -46,12 +46,13 @@ def agreement_for(
     specs: Sequence[ShardingSpec],
 ) -> Agreement:
     """The ranks' check of ``program`` (``fxshard.runtime.agree``)."""
-    # uneven programs: each rank's graph has its own shapes; the ranks compare the global program
-    # and every value's placements instead
-    graph = (
-        program.global_graph if program.uneven else program.local_graph_on(device_of(device_mesh))
-    )
-    placed = program.all_specs() if program.uneven else [*specs, *program.output_specs]
+    # uneven programs: each rank's graph has its own shapes; symbolic ones (dynamic shapes): a
+    # rank's trace of shape computations depends on what its ShapeEnv saw before (a rank that
+    # printed the plan lowered it once more). The ranks compare the global program and every
+    # value's placements instead.
+    by_global = program.uneven or program.symbolic
+    graph = program.global_graph if by_global else program.local_graph_on(device_of(device_mesh))
+    placed = program.all_specs() if by_global else [*specs, *program.output_specs]
     return Agreement(
         device_mesh,
         fingerprint(graph, placed),

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import report
 from .._torch import coordinate_tensor, dtensor_local, is_dtensor, tree_unflatten
 from ..capture import Captured
+from ..capture.symbolic import restore
 from ..ir import STATE_KINDS, Collective, NodeKind, Role, info, output_roles
 from ..passes.bucket import bucket_collectives
 from ..passes.lower import (
@@ -54,6 +55,7 @@ class ShardedProgram:
         self._local: dict = {}  # (device (None: where captured), coordinate) -> per-rank graph
         self.bucketed = 0  # collectives merged into others by bucketing in the per-rank graph
         self._uneven: bool | None = None
+        self._symbolic: fx.GraphModule | None = None
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -81,6 +83,22 @@ class ShardedProgram:
             self._uneven = is_uneven(self.global_graph)
         return self._uneven
 
+    @property
+    def symbolic(self) -> bool:
+        """One program for every size of some dims (dynamic shapes): the per-rank graph is lowered
+        from ``lowered_graph``, the annotated graph with symbolic sizes."""
+        return self.captured.symbolic is not None
+
+    @property
+    def lowered_graph(self) -> fx.GraphModule:
+        """The annotated graph lowering traces: ``global_graph``, or for a symbolic program the
+        same with its symbolic values and shape arguments put back (``capture.symbolic``)."""
+        if not self.symbolic:
+            return self.global_graph
+        if self._symbolic is None:
+            self._symbolic = restore(self.global_graph, self.captured.symbolic.gm)
+        return self._symbolic
+
     def all_specs(self) -> list:
         """Every node's placement, in graph order (what the ranks compare for an uneven program)."""
         return [info(n).spec for n in self.global_graph.graph.nodes]
@@ -103,7 +121,7 @@ class ShardedProgram:
             at = tuple(int(c) for c in coord) if coord is not None else (0,) * self.mesh.ndim
         key = (None if device is None else str(device), at)
         if key not in self._local:
-            local = lower_to_local(self.global_graph, self.mesh.ndim, device=device, coord=at)
+            local = lower_to_local(self.lowered_graph, self.mesh.ndim, device=device, coord=at)
             self._run(self.after_lower, local)
             # uneven programs are not bucketed: bucketing decides from local sizes and node order,
             # which differ by rank there, and every rank must run the same collectives
@@ -325,18 +343,21 @@ class ShardedProgram:
         unbound = None if self.uneven else self.local_graph
         with SimulatedMesh(self.mesh.shape, self.mesh.names) as sim:
             groups = group_names(sim.device_mesh)
+            # (a symbolic program's specs are for the hinted sizes: here, for this call's)
             args = [
-                sim.distribute(v.detach(), info(p).spec) for p, v in zip(self.placeholders, values)
+                sim.distribute(v.detach(), info(p).spec.at_sizes(v.shape))
+                for p, v in zip(self.placeholders, values)
             ]
             if unbound is None:
                 outs = run_per_rank(
-                    self.global_graph, groups, mesh_coordinate(sim.device_mesh), args
+                    self.lowered_graph, groups, mesh_coordinate(sim.device_mesh), args
                 )
             else:
                 outs = bind_groups(unbound, groups)(coordinate_tensor(sim.device_mesh), *args)
             flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             return [
-                sim.assemble(o, s) if s is not None else o for o, s in zip(flat, self.output_specs)
+                sim.assemble(o, s.at_sizes(s.global_shape(o.shape))) if s is not None else o
+                for o, s in zip(flat, self.output_specs)
             ]
 
     def restructure(self, flat: list):

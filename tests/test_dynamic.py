@@ -1,0 +1,154 @@
+"""Dynamic shapes: one sharded program for every size of the dims dynamo made dynamic
+(``fxshard.capture.symbolic``), on simulated ranks.  Each case compares every call with single
+device and counts the programs the backend built."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import fxshard
+from fxshard import zoo
+from fxshard.backend import compiled_programs, programs_built
+
+MESH = fxshard.MeshSpec((4,), ("tp",))
+MESH3 = fxshard.MeshSpec((3,), ("tp",))
+
+
+def _compile(fn, mesh=MESH, plan=None, **kw):
+    torch._dynamo.reset()
+    return torch.compile(
+        fn,
+        backend="fxshard",
+        options={"mesh": mesh, "plan": plan or {}, "simulate": True},
+        **kw,
+    )
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class Attention(nn.Module):
+    """Decode-style attention over a cache that grows by the new token: shape arguments of the
+    growing length (arange, view, expand, a slice) in the graph."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, past_k, past_v):
+        b, t, _ = x.shape
+
+        def split(y):
+            return y.view(b, t, self.heads, self.hd).transpose(1, 2)
+
+        k = torch.cat([past_k, split(self.k(x))], dim=2)
+        v = torch.cat([past_v, split(self.v(x))], dim=2)
+        n = k.shape[2]
+        pos = torch.arange(n, device=x.device).float() / n  # a position bias of the length
+        scores = split(self.q(x)) @ k.transpose(-1, -2) / self.hd**0.5 + pos
+        out = torch.softmax(scores, -1) @ v[:, :, :n]
+        return self.o(out.transpose(1, 2).reshape(b, t, -1)), k, v
+
+
+def _attention_plan():
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+            "o": RowwiseParallel()}  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", [MESH, MESH3], ids=["even heads", "uneven heads"])
+def test_one_program_for_every_cache_length(mesh):
+    """A decode step whose cache grows every call: after dynamo marks the length dynamic (its
+    second size), one program serves every later length, the heads sharded and the length never
+    split; each call equals single device (on 3 ranks too, its q/k/v features split unevenly)."""
+    torch.manual_seed(0)
+    model = Attention().eval()
+    f = _compile(model, mesh, _attention_plan())
+    n0 = programs_built()
+    k = torch.randn(2, 4, 3, 8)
+    v = torch.randn(2, 4, 3, 8)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 1, 32)
+            want = model(x, k, v)
+            got = f(x, k, v)
+            for a, b in zip(got, want):
+                _close(a, b)
+            k, v = want[1], want[2]
+    progs = compiled_programs(n0)
+    assert [p.symbolic for p in progs] == [False, True], [p.symbolic for p in progs]
+    sym = progs[-1]
+    assert {str(s) for s in (sym.output_specs[1], sym.output_specs[2])} == {"R"}
+    heads = [
+        str(fxshard.ir.info(n).spec)
+        for n in sym.global_graph.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.cat.default
+    ]
+    if mesh is MESH:  # (on 3 ranks the q/k/v features split 11, 11, 10: no whole heads)
+        assert heads == ["S(1)", "S(1)"], heads  # the cache's heads sharded, its length whole
+
+
+def test_a_plan_that_splits_the_dynamic_dim_gets_a_program_per_size(caplog):
+    """Sequence parallelism splits the sequence: with a dynamic sequence no symbolic program can
+    keep it whole, so each length gets its own program (said once), and every one is right."""
+    torch.manual_seed(0)
+    model = zoo.Llama().eval()
+    f = _compile(model, MESH, zoo.sequence_parallel_plan(), dynamic=True)
+    n0 = programs_built()
+    with caplog.at_level(logging.INFO, logger="fxshard"), torch.no_grad():
+        for n in (8, 12, 16):
+            tokens = torch.randint(0, model.cfg.vocab_size, (2, n))
+            _close(f(tokens), model(tokens))
+    progs = compiled_programs(n0)
+    assert len(progs) == 3 and not any(p.symbolic for p in progs)
+    said = [r.getMessage() for r in caplog.records if "program per size" in r.getMessage()]
+    assert len(said) == 1 and "splits" in said[0], said
+
+
+def test_guards_that_fail_build_another_program():
+    """Sizes that were equal when a program was traced are assumed equal (its guards say so); a
+    call where they differ fails the guard and gets a program of its own, right too."""
+
+    def f(x, y):
+        return (x * 2).sum(-1) + (y + 1).sum(-1), torch.cat([x, y], dim=-1)
+
+    g = _compile(f, dynamic=True)
+    n0 = programs_built()
+    for a, b in ((5, 5), (7, 7), (6, 9), (9, 4)):
+        x, y = torch.randn(4, a), torch.randn(4, b)
+        for got, want in zip(g(x, y), f(x, y)):
+            _close(got, want)
+    progs = compiled_programs(n0)
+    assert all(p.symbolic for p in progs) and len(progs) == 2, [p.symbolic for p in progs]
+
+
+def test_hugging_face_generate_builds_three_programs():
+    """transformers' Llama under its own tp_plan on 4 simulated ranks: greedy generate() with its
+    default DynamicCache builds three programs for 12 new tokens (prefill, first decode, one
+    symbolic decode program for every later length) and gives single device's tokens."""
+    T = pytest.importorskip("transformers")
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    ref = T.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(3)
+    model = copy.deepcopy(ref)
+    torch._dynamo.reset()
+    model.compile(backend="fxshard", options={"mesh": MESH, "plan": ref.tp_plan, "simulate": True})
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False)
+    n0 = programs_built()
+    with torch.no_grad():
+        want = ref.generate(x, **kw)
+        assert torch.equal(model.generate(x, **kw), want)
+    progs = compiled_programs(n0)
+    assert [p.symbolic for p in progs] == [False, False, True]
+    assert len(set(want[:, 8:].flatten().tolist())) > 3
