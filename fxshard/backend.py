@@ -79,6 +79,7 @@ from ._torch import (
 )
 from .capture import dynamo_sources, source_fqn
 from .capture.common import normalize_source, source_root
+from .capture.dynamo import size_carrier
 from .capture.symbolic import DynamicDims, NotSymbolic, splits_dynamic
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
@@ -593,7 +594,7 @@ class ShardedGraph:
 
         if opts.simulate:
             run = lambda a: write_back(a, prog.simulate_placeholders(values(a)))  # noqa: E731
-            return (run, self._shape_guards(prog)) if dynamic is not None else run
+            return (_carrying(run, dynamic), self._shape_guards(prog)) if dynamic else run
         compiled = CompiledProgram(
             prog, opts.mesh, inductor=opts.inductor, own_state=False, agreement=opts.agreement
         )
@@ -645,7 +646,7 @@ class ShardedGraph:
                         a[i].hold(targets[i], spec.at_sizes(a[i].shape), opts.mesh)
                 return wrap(outs)
 
-        return (run, self._shape_guards(prog)) if dynamic is not None else run
+        return (_carrying(run, dynamic), self._shape_guards(prog)) if dynamic else run
 
     @staticmethod
     def _shape_guards(prog):
@@ -790,6 +791,15 @@ class ShardedGraph:
         local = compiled.local_of(t, spec)
         self._shards[i] = (weakref.ref(t), (tensor_version(t), t.data_ptr()), local)
         return local
+
+
+def _carrying(run, dynamic):
+    """A symbolic program's runner taking the dynamo graph's arguments: its dynamic ints that are
+    no tensor's size go in as tensors of that length (``capture.dynamo.size_carrier``)."""
+    if not dynamic.free:
+        return run
+    free = set(dynamic.free)
+    return lambda a: run(tuple(size_carrier(int(x)) if i in free else x for i, x in enumerate(a)))
 
 
 def _layout(spec: ShardingSpec) -> tuple:

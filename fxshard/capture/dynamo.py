@@ -227,16 +227,21 @@ def capture_dynamo_graph(
     _bake_python_scalars(gm, placeholders, args)
     if boundaries:
         _insert_dynamo_boundaries(gm, boundaries, own, roots)
-    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    # symbolic captures: a Python int dynamo made dynamic that is no tensor's size comes in as a
+    # tensor of that length (its size carrier: the program reads the number from its shape)
+    carriers = set(dynamic.free) if dynamic is not None and not training else set()
+    tensor_pos = [
+        i for i, a in enumerate(args) if isinstance(a, torch.Tensor) or i in carriers
+    ]  # fmt: skip
     fixed = {
         i: (int(a) if isinstance(a, (int, torch.SymInt)) else a)
         for i, a in enumerate(args)
-        if not isinstance(a, torch.Tensor)
+        if i not in tensor_pos
     }
 
     def run(*tensors):
         full = dict(fixed)
-        full.update(zip(tensor_pos, tensors))
+        full.update((i, t.shape[0] if i in carriers else t) for i, t in zip(tensor_pos, tensors))
         return fx.Interpreter(gm).run(*[full[i] for i in range(len(args))])
 
     if training:
@@ -288,17 +293,30 @@ def _symbolic_inputs(args, tensor_pos, dynamic: DynamicDims) -> tuple:
     stand for."""
     mode = symbolic_fake_mode()
     fakes = {}
+    inputs = [None] * len(args)
     for i in tensor_pos:
-        a = args[i].detach()
+        a = args[i]
+        if not isinstance(a, torch.Tensor):  # a size carrier: its length is the number
+            fakes[i] = size_carrier(int(a))
+            fakes[i] = symbolic_fake(mode, fakes[i], (0,), f"a{i}")
+            inputs[i] = fakes[i].shape[0]
+            continue
+        a = a.detach()
         dims = dynamic.tensors.get(i, ())
         if is_fake(a):  # a DTensor's global value (never allocated)
             fakes[i] = symbolic_empty(mode, a.shape, dims, a.dtype, a.device, f"a{i}")
         else:
             fakes[i] = symbolic_fake(mode, a, dims, f"a{i}")
-    inputs = [fakes.get(i) for i in range(len(args))]
+        inputs[i] = fakes[i]
     for i, (j, d) in dynamic.sizes.items():
         inputs[i] = fakes[j].shape[d]
     return mode, [fakes[i] for i in tensor_pos], inputs
+
+
+def size_carrier(n: int, device=None) -> torch.Tensor:
+    """The tensor a symbolic program takes for a dynamic Python int that is no tensor's size: its
+    length is the number (zeros: every rank's is alike)."""
+    return torch.zeros(n, dtype=torch.uint8, device=device)
 
 
 def _lift_constants(gm: fx.GraphModule, mode, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -46,11 +46,12 @@ from ..ir import NodeKind, NotSymbolic, flat_args, info, whole_dims
 class DynamicDims:
     """Which arguments of a dynamo graph vary in size between calls: ``tensors`` maps an argument
     index to its dynamic dims; ``sizes`` maps a SymInt argument to the (tensor argument, dim) whose
-    size it is (a SymInt argument that is no tensor's size is not listed: its value is baked in).
-    """
+    size it is; ``free`` lists the other dynamic ints (a cache's length counter: they come into
+    the program as tensors of that length, ``capture.dynamo.size_carrier``)."""
 
     tensors: dict
     sizes: dict
+    free: tuple = ()  # dynamic int arguments that are no tensor's size (taken as size carriers)
 
     @classmethod
     def of(cls, gm: fx.GraphModule) -> DynamicDims | None:
@@ -62,18 +63,20 @@ class DynamicDims:
                 dims = tuple(d for d, s in enumerate(v.shape) if is_symbolic(s))
                 if dims:
                     tensors[i] = dims
-        if not tensors:
-            return None
-        sizes = {}
+        sizes, free = {}, []
         for i, v in enumerate(vals):
-            if not is_symbolic(v):
+            if not is_symbolic(v) or not isinstance(v, torch.SymInt):
                 continue
             for j, dims in tensors.items():
                 d = next((d for d in dims if same_symbol(vals[j].shape[d], v)), None)
                 if d is not None:
                     sizes[i] = (j, d)
                     break
-        return cls(tensors, sizes)
+            else:
+                free.append(i)
+        if not tensors and not free:
+            return None
+        return cls(tensors, sizes, tuple(free))
 
     def static_key(self, args) -> tuple:
         """The part of a call's signature a symbolic program is specific to: every size but the
@@ -84,7 +87,7 @@ class DynamicDims:
                 dims = self.tensors.get(i, ())
                 shape = tuple(None if d in dims else s for d, s in enumerate(a.shape))
                 out.append((shape, a.dtype, a.device))
-            elif i in self.sizes:
+            elif i in self.sizes or i in self.free:
                 out.append(None)
             else:
                 out.append(int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
@@ -220,22 +223,23 @@ def restore(annotated: fx.GraphModule, symbolic: fx.GraphModule) -> fx.GraphModu
     for n in list(out.graph.nodes):
         rec = info(n)
         s = sym_nodes.get(n.name)
-        if n.op == "output":
-            continue
         if s is None or s.op != n.op or s.target != n.target:
             if rec.kind == NodeKind.REDISTRIBUTE:
                 n.meta["val"] = n.args[0].meta["val"]
                 continue
             raise NotSymbolic(f"node {n.name} of the program has no symbolic counterpart")
-        n.meta["val"] = s.meta.get("val")
-        if n.op != "call_function":
+        if n.op != "output":
+            n.meta["val"] = s.meta.get("val")
+        if n.op not in ("call_function", "output"):
             continue
+        # the size arguments, and sizes the program returns (a cache's length counter: dynamo
+        # stores it into an attribute), are the symbolic graph's computations again
         pairs: list = []
         _pairs((n.args, n.kwargs), (s.args, s.kwargs), pairs)
-        if not any(isinstance(b, fx.Node) and is_shape_node(b) for _, b in pairs):
-            continue
         shaped = [isinstance(b, fx.Node) and is_shape_node(b) for _, b in pairs]
-        leaves = iter([copy_shape(b, n) if s else a for (a, b), s in zip(pairs, shaped)])
+        if not any(shaped):
+            continue
+        leaves = iter([copy_shape(b, n) if sh else a for (a, b), sh in zip(pairs, shaped)])
         n.args, n.kwargs = _map_leaves((n.args, n.kwargs), lambda _a, it=leaves: next(it))
     # asserts on sizes (ranges, relations a decomposition checked at run time) come along too
     last = next(n for n in out.graph.nodes if n.op == "output")
