@@ -543,6 +543,15 @@ def is_fake(value: object) -> bool:
     return isinstance(value, FakeTensor)
 
 
+def is_functional(value: object) -> bool:
+    """``value`` is a tensor of functionalization (AOTAutograd's trace of another backend)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(value, FunctionalTensor) or (
+        isinstance(value, torch.Tensor) and torch._is_functional_tensor(value)
+    )
+
+
 def use_flat_codegen(gm: fx.GraphModule) -> None:
     """Make ``gm`` take and return flat arguments (AOT's pytree codegen groups them)."""
     gm.graph._codegen = fx.graph.CodeGen()
@@ -831,10 +840,14 @@ def same_symbol(a: object, b: object) -> bool:
 def shape_guards(mode, placeholders: Sequence) -> Callable:
     """``check(args) -> bool``: whether concrete arguments meet every guard ``mode``'s ShapeEnv
     recorded while tracing and compiling for ``placeholders`` (fakes and SymInts, in argument
-    order; None entries are skipped), static sizes included."""
+    order; None entries are skipped), on the symbolic sizes and strides (static sizes are checked
+    by the caller's signature)."""
     keep = [i for i, p in enumerate(placeholders) if p is not None]
     env = mode.shape_env
-    code = env.produce_guards_expression([placeholders[i] for i in keep], ignore_static=False)
+    # (static sizes are the caller's signature; static strides do not matter: a program's inputs
+    # are made contiguous shards before it runs, and a guard no rank needs could make one rank
+    # rebuild a program while another runs the old one)
+    code = env.produce_guards_expression([placeholders[i] for i in keep], ignore_static=True)
     if not code:
         return lambda args: True
     compiled = compile(code, "<fxshard shape guards>", "eval")
@@ -883,8 +896,9 @@ def contiguous_strides(shape: Sequence) -> tuple:
 
 def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
     """{flat output index: "Class.attribute"} of the graph's outputs that dynamo's code stores into
-    an attribute of a plain Python object after the graph ran (a cache layer's ``self.keys =
-    torch.cat(...)``); not modules, not dict-like model outputs.  Valid inside a backend call
+    an attribute of a plain Python object that existed before the call (a cache layer's
+    ``self.keys = torch.cat(...)``); not modules, not dict-like model outputs, not objects the
+    call creates.  Valid inside a backend call
     (dynamo's side effects of the frame being compiled); empty elsewhere."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._dynamo.variables import TensorVariable, UserDefinedObjectVariable
@@ -896,11 +910,17 @@ def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     index = {n: k for k, n in enumerate(outs) if isinstance(n, fx.Node)}
     found = {}
+    from torch._dynamo.variables.base import AttributeMutationExisting
+
     for obj, attrs in tx.output.side_effects.store_attr_mutations.items():
         value = getattr(obj, "value", None)
         if not isinstance(obj, UserDefinedObjectVariable) or isinstance(
             value, (torch.nn.Module, dict, list, tuple)
         ):
+            continue
+        # objects that existed before the call (state); one the call makes is its result (a
+        # dataclass of outputs, a cache it creates): handed back as the outputs are
+        if not isinstance(getattr(obj, "mutation_type", None), AttributeMutationExisting):
             continue
         for name, v in attrs.items():
             if not isinstance(v, TensorVariable):
@@ -912,3 +932,39 @@ def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
             if node in index:
                 found[index[node]] = f"{type(value).__name__}.{name}"
     return found
+
+
+def functionalized(fn: Callable) -> Callable:
+    """``fn`` functionalized at the Python dispatch level (AOTAutograd's FunctionalTensorMode): its
+    in-place ops become functional ones, an input it updates is written back with ``copy_`` at
+    the end.  Unlike ``torch.func.functionalize`` it reads sizes symbolically (the C++ path asks
+    a linear with bias for concrete sizes, which specialises every dynamic dim)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def unwrap(t):
+        if not isinstance(t, FunctionalTensor):
+            return t
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)
+
+    def inner(*args):
+        exclude = torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        )
+        updates = []
+        with exclude, FunctionalTensorMode():
+            wrapped = [
+                FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a
+                for a in args
+            ]
+            outs = _pytree.tree_map_only(FunctionalTensor, unwrap, fn(*wrapped))
+            for a, w in zip(args, wrapped):
+                if isinstance(w, FunctionalTensor):
+                    torch._sync(w)
+                    if torch._functionalize_has_data_mutation(w.elem):
+                        updates.append((a, unwrap(w)))
+        for a, new in updates:  # the updated inputs, written back last
+            a.copy_(new)
+        return outs
+
+    return inner

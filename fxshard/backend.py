@@ -388,7 +388,7 @@ class ShardedGraph:
                     a.dtype,
                     a.device,
                     a.item() if i in self.baked else None,
-                    spec_of(a, mesh) if is_sharded_arg(a) else type(a),
+                    _arg_kind(a, mesh),
                 )
                 if isinstance(a, torch.Tensor)
                 else (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
@@ -511,11 +511,10 @@ class ShardedGraph:
         }
         # KeptTensors not sharded yet (fxshard.kept): placed freely, an update in place handed
         # back in the program's placement (no gather)
+        kept_args = frozenset(i for i, a in enumerate(args) if is_kept(a) and i not in dt_specs)
         kept_state = frozenset(
-            i
-            for i, a in enumerate(args)
-            if is_kept(a) and i not in dt_specs and not training and not opts.simulate
-        )
+            i for i in kept_args if not args[i].viewed and not training and not opts.simulate
+        )  # (one eager code holds views of stays whole: they must keep seeing it)
         args = tuple(
             standin(a) if i in dt_specs else a.local if is_kept(a) else a
             for i, a in enumerate(args)
@@ -588,7 +587,9 @@ class ShardedGraph:
 
         def values(a):  # every placeholder's global value: an argument, or a traced constant
             return [
-                a[i] if i is not None else prog.captured.state[info(p).fqn]
+                (a[i].local if is_kept(a[i]) else a[i])
+                if i is not None
+                else prog.captured.state[info(p).fqn]
                 for i, p in zip(arg_index, prog.placeholders)
             ]
 
@@ -610,7 +611,7 @@ class ShardedGraph:
             rec.arg_index: spec
             for p, spec in zip(prog.placeholders, compiled.specs)
             if (rec := info(p)).kind == INPUT and rec.input_index in updated_inputs
-            and (rec.arg_index in dt_specs or rec.arg_index in kept_state)
+            and (rec.arg_index in dt_specs or rec.arg_index in kept_args)
         }  # fmt: skip
         self._hint_state(prog, held)
 
@@ -627,12 +628,12 @@ class ShardedGraph:
                         local.append(self._cached_shard(i, t, spec, compiled))
                     elif i in dt_specs:
                         local.append(local_arg(t, spec, compiled.coord_ints, f"argument {i}"))
-                    elif i in kept_state:
+                    elif i in kept_args:  # not sharded: its tensor is the value
                         local.append(compiled.local_of(t.local, spec))
                     else:
                         local.append(compiled.local_of(t, spec))
                 for i, spec in held.items():
-                    if i in dt_specs and is_kept(a[i]):
+                    if i not in kept_state and is_kept(a[i]):
                         targets[i] = a[i].local
                     elif i in kept_state:
                         targets[i] = torch.empty(
@@ -800,6 +801,17 @@ def _carrying(run, dynamic):
         return run
     free = set(dynamic.free)
     return lambda a: run(tuple(size_carrier(int(x)) if i in free else x for i, x in enumerate(a)))
+
+
+def _arg_kind(a, mesh) -> object:
+    """What of a tensor argument besides its shape decides its program: a DTensor's (or sharded
+    KeptTensor's) spec; whether a KeptTensor not sharded may go sharded (none of its views is
+    held); the tensor's type."""
+    if is_sharded_arg(a):
+        return spec_of(a, mesh)
+    if is_kept(a):
+        return ("kept", a.viewed)
+    return type(a)
 
 
 def _layout(spec: ShardingSpec) -> tuple:

@@ -739,6 +739,8 @@ def own_cache_state(rank, world):
     the cache holds between calls; then an eager read and an eager in-place write of a kept
     cache, and the log line for the plain one."""
     import copy
+    import dataclasses
+    import io
     import logging
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -795,11 +797,52 @@ def own_cache_state(rank, world):
                 pos = torch.tensor([4])
                 r["after"] = _rel(model(xs[4], pos, mine), ref(xs[4], pos, theirs))
                 r["kept_after"] = type(mine.v).__name__
+                if way == "inside":  # eager code on a kept cache, as a user's might run it
+                    mine.k[:, 0] = 0.5  # a write through a view lands in the tensor
+                    theirs.k[:, 0] = 0.5
+                    pos = torch.tensor([5])
+                    r["view_write"] = _rel(model(xs[5], pos, mine), ref(xs[5], pos, theirs))
+                    r["viewed"] = (type(mine.k).__name__, mine.k.viewed, mine.v.sharded)
+                    r["tolist"] = _rel(torch.tensor(mine.v.tolist()), theirs.v)
+                    r["deepcopy"] = _rel(copy.deepcopy(mine.v) * 1, theirs.v)
+                    buf = io.BytesIO()
+                    torch.save(mine.v, buf)  # (every rank: it gathers)
+                    buf.seek(0)
+                    loaded = torch.load(buf)
+                    r["saved"] = (type(loaded).__name__, _rel(loaded, theirs.v))
+                    try:
+                        mine.v.transpose_(0, 1)
+                        r["transpose_"] = "no error"
+                    except NotImplementedError as e:
+                        r["transpose_"] = str(e)
             out[way] = r
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     out["hint"] = [m for m in said if "fxshard.kept" in m]
+    # a dataclass the model returns is its result, not state: its tensors come back global
+    torch._dynamo.reset()
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return Out(self.h(x))
+
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    net = Returns()
+    plan = {"h": ColwiseParallel()}
+    f = torch.compile(net, backend="fxshard", options={"mesh": dm, "plan": plan})
+    with torch.no_grad():
+        o = f(xs[0])
+        out["dataclass"] = (type(o.y).__name__, _rel(o.y, net(xs[0]).y))
     return out
 
 

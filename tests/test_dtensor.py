@@ -231,7 +231,10 @@ def test_a_users_cache_object_stays_sharded_between_calls():
     all-reduce of (2, 1, 64) and nothing on the cache; outputs equal single device; an eager read
     is the global cache and an eager in-place write lands in the shards.  Made eagerly as plain
     tensors (whose identity is the caller's) it is written back global every call, and the
-    backend says how to keep it sharded."""
+    backend says how to keep it sharded.  Eager code on a kept cache: a write through a view
+    lands (the tensor is then gathered for good), .tolist(), deepcopy, torch.save (the global
+    tensor), an in-place shape change refused; a dataclass the model returns holds plain global
+    tensors (a result, not state)."""
     for r in spawn(2, e2e_workers.own_cache_state, timeout=600):
         for way in ("inside", "kept"):
             w = r[way]
@@ -245,6 +248,11 @@ def test_a_users_cache_object_stays_sharded_between_calls():
         assert p["err"] < 1e-5 and p["after"] < 1e-5 and p["held"][0][0] == "Tensor", p
         assert sorted(k for k, _ in p["decode"]) == ["all_gather", "all_gather", "all_reduce"]
         assert len(r["hint"]) >= 1 and "L['layer'].k" in r["hint"][0], r["hint"]
+        w = r["inside"]  # eager code on a kept cache
+        assert w["view_write"] < 1e-5 and w["viewed"] == ("KeptTensor", True, True), w
+        assert w["tolist"] < 1e-6 and w["deepcopy"] < 1e-6 and w["saved"][0] == "Tensor", w
+        assert w["saved"][1] < 1e-6 and "out-of-place" in w["transpose_"], w
+        assert r["dataclass"][0] == "Tensor" and r["dataclass"][1] < 1e-5, r["dataclass"]
 
 
 @pytest.mark.slow

@@ -246,7 +246,10 @@ def test_expert_parallelism_with_the_models_ep_plan(name):
     experts = {info(p).fqn: str(info(p).spec) for p in prog.placeholders
                if info(p).fqn and ".experts." in info(p).fqn}  # fmt: skip
     assert experts and set(experts.values()) == {"S(0)"}, experts
-    assert all(c.bytes <= x.numel() * 64 * 4 for c in prog.collectives()), prog.explain()
+    shard = min(
+        p.numel() * 4 // MESH.shape[0] for f, p in model.named_parameters() if ".experts." in f
+    )
+    assert all(c.bytes < shard for c in prog.collectives()), prog.explain()  # no weight moved
     model.train()
     ref.train()
     want = ref(x, labels=labels).loss

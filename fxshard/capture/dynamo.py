@@ -25,6 +25,7 @@ from .._torch import (
     describe,
     fake_mode,
     fake_mode_of,
+    functionalized,
     is_fake,
     placeholder_source,
     symbolic_empty,
@@ -255,7 +256,7 @@ def capture_dynamo_graph(
     with warnings.catch_warnings(), preserve_node_meta():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         traced = make_fx(
-            torch.func.functionalize(run, remove="mutations"),
+            functionalized(run),
             decomposition_table=decomposition_table(),
             tracing_mode="fake",
         )(*fakes)

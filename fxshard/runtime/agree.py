@@ -127,7 +127,16 @@ def fingerprint(local: torch.fx.GraphModule, specs: Sequence) -> str:
     index = {}
     for k, n in enumerate(local.graph.nodes):
         index[n] = k
-        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        args = torch.fx.node.map_aggregate(
+            (n.args, n.kwargs),
+            lambda a: (
+                f"%{index[a]}"
+                if isinstance(a, torch.fx.Node)
+                else a.type
+                if isinstance(a, torch.device)  # cuda:0 on one rank is cuda:1 on the next
+                else a
+            ),
+        )
         h.update(f"{n.op} {_target_name(n.target)} {args!r}\n".encode())
     h.update(repr([str(s) for s in specs]).encode())
     return h.hexdigest()[:16]

@@ -33,6 +33,7 @@ placement.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ from .._torch import (
     fake_mode,
     is_dtensor,
     is_fake,
+    is_functional,
     make_dtensor,
     tree_map,
 )
@@ -187,6 +189,7 @@ class KeptTensor(WrapperTensor):
         r = WrapperTensor.wrapper(cls, shape, stride, local.dtype, local.device)
         r._local = local
         r._layout = layout
+        r._viewed = False
         return r
 
     @classmethod
@@ -222,6 +225,36 @@ class KeptTensor(WrapperTensor):
         self._local = local
         self._layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh)
 
+    @property
+    def viewed(self) -> bool:
+        """Whether eager code took a view of it: it then stays whole (replicated) for good, so
+        the view keeps seeing (and writing) its value."""
+        return self._viewed
+
+    def unshard(self) -> None:
+        """Gather the value for good: this rank holds the whole tensor (a collective: every rank
+        calls it, as for any eager op on it)."""
+        if self.sharded:
+            full = self.full().contiguous()
+            self._local = full
+            self._layout = Layout(None, (), ())
+
+    def tolist(self):
+        return self.full().tolist()
+
+    def numpy(self, *, force: bool = False):
+        return self.full().numpy(force=force)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle: the global tensor (gathered: every rank saves, or calls full())
+        return self.full().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        out = KeptTensor(copy.deepcopy(self._local, memo), self._layout, self.shape, self.stride())
+        out._viewed = self._viewed
+        memo[id(self)] = out
+        return out
+
     def full(self) -> torch.Tensor:
         """The global value, gathered from the shards (a collective: every rank calls it)."""
         if is_fake(self._local):  # tracing (dynamo's fake tensors): a global stand-in
@@ -252,6 +285,21 @@ class KeptTensor(WrapperTensor):
         if func in (aten.detach.default, aten.alias.default) and not kwargs:
             (self,) = args
             return KeptTensor(self._local.detach(), self._layout, self.shape, self.stride())
+        first = args[0] if args else None
+        if isinstance(first, KeptTensor) and torch.Tag.inplace_view in func.tags:
+            raise NotImplementedError(
+                f"{func} changes a KeptTensor's shape in place (a cache tensor fxshard keeps "
+                "sharded between calls); use the out-of-place op (x = x.transpose(0, 1))"
+            )
+        if isinstance(first, KeptTensor) and func.is_view and not is_fake(first._local):
+            # a view of the global tensor: taken of the whole value (gathered for good, once), a
+            # KeptTensor over a view of it, so writes through it land in the tensor
+            first.unshard()
+            first._viewed = True
+            v = func(first._local, *args[1:], **kwargs)
+            if not isinstance(v, torch.Tensor):  # (views returning several: unbind, split)
+                return type(v)(_whole(x) for x in v)
+            return _whole(v)
         if func in _LOCAL_FILLS and isinstance(args[0], KeptTensor) and not kwargs:
             # a fill with one number is its own shard's fill (a cache's reset), unless the value is
             # a partial sum (its ranks' shares add up to it)
@@ -275,6 +323,13 @@ class KeptTensor(WrapperTensor):
         # an in-place / out= op wrote into the gathered value: this rank's shard of it goes back
         written = _written_args(func, args, kwargs)
         for t in kept:
+            if id(t) in written and is_functional(t._local):
+                raise NotImplementedError(
+                    f"{func} writes into a KeptTensor (a cache tensor fxshard keeps sharded "
+                    "between calls) inside torch.compile with another backend, which cannot "
+                    "write it back; compile that code with backend='fxshard', or call .full() "
+                    "on the tensor first"
+                )
             if id(t) in written and not is_fake(t._local):
                 full = full_of[id(t)]
                 if t.sharded:
@@ -286,6 +341,13 @@ class KeptTensor(WrapperTensor):
             back = {id(full_of[id(t)]): t for t in kept if id(t) in written}
             out = tree_map(lambda o: back.get(id(o), o), out)
         return out
+
+
+def _whole(view: torch.Tensor) -> KeptTensor:
+    """A view of a whole KeptTensor's value, as a KeptTensor (whole too)."""
+    out = KeptTensor(view, Layout(None, (), ()), view.shape, view.stride())
+    out._viewed = True
+    return out
 
 
 def _written_args(func, args, kwargs) -> set:
