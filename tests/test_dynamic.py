@@ -186,3 +186,20 @@ def test_hugging_face_generate_builds_three_programs(arch):
     progs = compiled_programs(n0)
     assert len(progs) == 3 and progs[-1].symbolic, [p.symbolic for p in progs]
     assert len(set(want[:, 8:].flatten().tolist())) > 3
+
+
+def test_a_linear_with_bias_keeps_its_dims_dynamic():
+    """nn.Linear with a bias on a 3-D input (a prompt of any length under a colwise plan): one
+    program for every length (functionalizing its C++ decomposition once asked for concrete
+    sizes, which made every length a program of its own), each equal to single device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).eval()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    f = _compile(model, MESH, plan, dynamic=True)
+    n0 = programs_built()
+    with torch.no_grad():
+        for t in (5, 7, 9, 12):
+            x = torch.randn(2, t, 16)
+            _close(f(x), model(x))
+    progs = compiled_programs(n0)
+    assert len(progs) == 1 and progs[0].symbolic, [p.symbolic for p in progs]
