@@ -505,7 +505,11 @@ def test_every_tp_plan_style_of_the_pinned_transformers_is_known():
         styles - set(HF_STYLES) - set(HF_STYLES_NOT_YET)
     )
     model = zoo.MLP()
-    with pytest.raises(NotImplementedError, match="expert-parallel"):
+    with pytest.raises(NotImplementedError, match="MegaMoE"):
+        fxshard.shard(
+            model, MESH_TP, {"fc1": "megamoe_experts"}, example_inputs=example_input(model)
+        )
+    with pytest.raises(ValueError, match="fused experts' weight parameters"):  # a module entry
         fxshard.shard(model, MESH_TP, {"fc1": "grouped_gemm"}, example_inputs=example_input(model))
 
 
