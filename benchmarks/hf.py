@@ -8,17 +8,18 @@ on ``--ranks`` gloo ranks of this machine (CPU, loopback):
   its ``from_pretrained(tp_plan="auto")`` installs: DTensor parameters and forward hooks), then
   ``torch.compile`` (Inductor);
 * **fxshard**: ``torch.compile(model, backend="fxshard", options={"mesh": mesh,
-  "plan": model.tp_plan})``;
-* **fxshard, state="sharded"** (generate only): the same with ``"state": "sharded"``, the static
-  cache's keys and values kept as this rank's heads between decode steps.
+  "plan": model.tp_plan})`` (default options: the KV cache stays as each rank's heads between
+  decode steps, one program for every cache length).
 
 Columns: collectives of one forward step (fxshard: its per-rank program; HF: counted at dispatch
 on the compiled step's eager twin, the same collectives), forward step time (median of
 ``--repeats`` calls, a barrier before each, the variants alternating; ``use_cache=False``), whether
-the logits equal single device, greedy ``generate`` tokens/s (``--tokens`` new tokens with a
-static cache: one prefill and one decode program per variant, compiled by two untimed
-generations; the timed third includes the prefill) and its median decode step (time between tokens,
-from a streamer), and the collectives and bytes one decode step moves (fxshard's decode program).
+the logits equal single device, greedy ``generate`` tokens/s (``--tokens`` new tokens, with
+transformers' default cache (``DynamicCache``, growing by a token per step) and with a static
+cache; two untimed generations compile every program, the timed third includes the prefill) and
+its median decode step (time between tokens, from a streamer), the collectives and bytes one
+decode step moves (fxshard: its last decode program; HF: counted at dispatch), and how many
+programs fxshard built for the generations (prefill + decode programs, whatever the length).
 Ratios are fxshard / HF. On 2 cores
 the ranks share the CPUs: quote medians and ratios.
 
@@ -38,7 +39,8 @@ from decode import CollectiveBytes
 SIZE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=1024,
             max_position_embeddings=256, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
 MOE = dict(num_experts_per_tok=2, head_dim=32)
-SHARDED = 'fxshard, state="sharded"'
+HF, FX = "HF TP + torch.compile", "fxshard"
+CACHES = ("dynamic", "static")
 
 
 def build(name):
@@ -85,22 +87,28 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from fxshard.backend import compiled_programs
+    from fxshard.backend import compiled_programs, programs_built
 
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(1, SIZE["vocab_size"], (batch, seq), generator=g)
     prompt = x[:, :8]
-    gen_kw = dict(
-        attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, do_sample=False,
-        cache_implementation="static", pad_token_id=0,
-    )  # fmt: skip
+    gen_kws = {
+        cache: dict(
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **({"cache_implementation": "static"} if cache == "static" else {}),
+        )  # fmt: skip
+        for cache in CACHES
+    }
     out = {}
     for name in archs:
         base = build(name)
         with torch.no_grad():
             want = base(x, use_cache=False).logits
-            want_tokens = base.generate(prompt, **gen_kw)
+            want_tokens = {c: base.generate(prompt, **kw) for c, kw in gen_kws.items()}
         row = {}
         torch._dynamo.reset()
         hf = apply_tensor_parallelism(copy.deepcopy(base), dm)
@@ -115,7 +123,7 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
         fx_c = torch.compile(
             fx_model, backend="fxshard", options={"mesh": dm, "plan": fx_model.tp_plan}
         )
-        variants = {"HF TP + torch.compile": hf_c, "fxshard": fx_c}
+        variants = {HF: hf_c, FX: fx_c}
         times = {k: [] for k in variants}
         same = {}
         with torch.no_grad():
@@ -133,13 +141,15 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                     t = time.perf_counter()
                     m(x, use_cache=False)
                     times[label].append(time.perf_counter() - t)
-            for label in (*variants, SHARDED):
+            for label, cache in [(v, c) for c in CACHES for v in variants]:
+                gen_kw = gen_kws[cache]
                 # each variant's graphs on their own: they share the model's code objects, whose
                 # dynamo cache entries (at most 8 each) would otherwise run out
                 torch._dynamo.reset()
-                if label.startswith("HF"):
+                if label == HF:
                     model = hf
                     # one decode step's collectives, counted eagerly: generate 2 tokens less 1
+                    vars(model).pop("forward", None)  # the eager forward (a cache's run before)
                     counted = []
                     for n in (1, 2):
                         with CollectiveBytes() as c:
@@ -150,40 +160,37 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                         counted[1].bytes - counted[0].bytes,
                     )
                     model.forward = torch.compile(model.forward)
+                    programs = None
                     for _ in range(2):  # compiles prefill and decode (as below)
                         model.generate(prompt, **gen_kw)
                 else:
-                    opts = {"mesh": dm, "plan": base.tp_plan}
-                    model = fx_model
-                    if label == SHARDED:
-                        model = copy.deepcopy(base)
-                        opts["state"] = "sharded"
-                    model.compile(backend="fxshard", options=opts)
-                    before = list(compiled_programs())
-                    # compiles prefill and decode; with state="sharded" the second generation
-                    # traces its prefill again (the cache's class swapped: runtime.state)
-                    model.generate(prompt, **gen_kw)
-                    new = [p for p in compiled_programs() if not any(p is q for q in before)]
-                    calls = new[-1].collectives()  # the last program built: the decode step
+                    model = copy.deepcopy(base)
+                    model.compile(backend="fxshard", options={"mesh": dm, "plan": base.tp_plan})
+                    n0 = programs_built()
+                    for _ in range(2):  # compiles prefill and decode (as below)
+                        model.generate(prompt, **gen_kw)
+                    new = compiled_programs(n0)
+                    programs = len(new)
+                    calls = new[-1].collectives()  # the last program built: a decode step
                     decode = (len(calls), sum(c.bytes for c in calls))
-                    model.generate(prompt, **gen_kw)
                 dist.barrier()
                 t = time.perf_counter()
                 stamps = Stamps()
                 got_tokens = model.generate(prompt, streamer=stamps, **gen_kw)
                 gen_s = time.perf_counter() - t
                 r = row.setdefault(label, {})
-                if label in times:
+                if cache == CACHES[0]:
                     r["step_ms"] = 1e3 * statistics.median(times[label])
-                r.update(
-                    same=same.get(label, True) and bool(torch.equal(got_tokens, want_tokens)),
+                r[cache] = dict(
+                    same=same[label] and bool(torch.equal(got_tokens, want_tokens[cache])),
                     tokens_s=batch * tokens / gen_s,
                     decode_ms=1e3 * stamps.decode_step(),
                     decode_calls=decode[0],
                     decode_bytes=decode[1],
+                    programs=programs,
                 )
-        row["HF TP + torch.compile"]["calls"] = hf_calls
-        row["fxshard"]["calls"] = fx_calls
+        row[HF]["calls"] = hf_calls
+        row[FX]["calls"] = fx_calls
         out[name] = row
     return out
 
@@ -203,16 +210,18 @@ def main():
     per_rank = spawn(
         args.ranks, worker, archs, args.batch, args.seq, args.tokens, args.repeats, timeout=3000
     )
-    hf, fx = "HF TP + torch.compile", "fxshard"
+    hf, fx = HF, FX
 
-    def med(name, label, key):
-        return statistics.median(r[name][label][key] for r in per_rank)
+    def med(name, label, key, cache=None):
+        return statistics.median(
+            (r[name][label][cache] if cache else r[name][label])[key] for r in per_rank
+        )
 
     print(
         f"HF models under their tp_plan: hidden {SIZE['hidden_size']}, "
         f"{SIZE['num_hidden_layers']} layers, 8 heads / 4 kv heads, batch {args.batch}, seq "
         f"{args.seq}; {args.ranks} gloo ranks (CPU); medians over ranks of {args.repeats} steps; "
-        f"generate: {args.tokens} greedy tokens, static cache"
+        f"generate: {args.tokens} greedy tokens"
     )
     print(
         f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
@@ -220,30 +229,33 @@ def main():
     )
     for name in archs:
         r0 = per_rank[0][name]
-        same = [all(r[name][k]["same"] for r in per_rank) for k in (hf, fx)]
+        same = [all(r[name][k]["dynamic"]["same"] for r in per_rank) for k in (hf, fx)]
         print(
             f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} "
             f"{med(name, hf, 'step_ms'):10.1f} {med(name, fx, 'step_ms'):10.1f} "
             f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
             f"{str(same[0]):>5}/{str(same[1]):<5}"
         )
-    print()
-    print(
-        f"generate, per variant (HF TP + torch.compile | fxshard | {SHARDED}): tok/s, median "
-        "decode step ms (ratio to HF), one decode step's collectives / bytes, same tokens"
-    )
-    for name in archs:
-        r0 = per_rank[0][name]
-        cells = []
-        for k in (hf, fx, SHARDED):
-            ratio = med(name, k, "decode_ms") / med(name, hf, "decode_ms")
-            same = all(r[name][k]["same"] for r in per_rank)
-            cells.append(
-                f"{med(name, k, 'tokens_s'):6.1f} {med(name, k, 'decode_ms'):5.1f} "
-                f"({ratio:4.2f}) {r0[k]['decode_calls']:>2d} / {r0[k]['decode_bytes']:>6d} B "
-                f"{str(same):5}"
-            )
-        print(f"{name:12} " + " | ".join(cells))
+    for cache in CACHES:
+        print()
+        print(
+            f"generate, {cache} cache: per variant (HF TP + torch.compile | fxshard): tok/s, "
+            "median decode step ms (ratio to HF), one decode step's collectives / bytes, same "
+            "tokens; fxshard's programs"
+        )
+        for name in archs:
+            r0 = per_rank[0][name]
+            cells = []
+            for k in (hf, fx):
+                ratio = med(name, k, "decode_ms", cache) / med(name, hf, "decode_ms", cache)
+                same = all(r[name][k][cache]["same"] for r in per_rank)
+                c = r0[k][cache]
+                cells.append(
+                    f"{med(name, k, 'tokens_s', cache):6.1f} "
+                    f"{med(name, k, 'decode_ms', cache):5.1f} ({ratio:4.2f}) "
+                    f"{c['decode_calls']:>2d} / {c['decode_bytes']:>6d} B {str(same):5}"
+                )
+            print(f"{name:12} " + " | ".join(cells) + f" | {r0[fx][cache]['programs']} programs")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fxshard import zoo
-    from fxshard.backend import compiled_programs
+    from fxshard.backend import compiled_programs, programs_built
 
     plan = getattr(zoo, plan_name)
     outputs = "dtensor" if plan_name == "vocab_parallel_plan" else "global"
@@ -106,7 +106,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
 
         torch._dynamo.reset()
         counter = CollectiveCounter()
-        n0 = len(compiled_programs())
+        n0 = programs_built()
         dist.barrier()
         t = time.perf_counter()
         try:
@@ -126,7 +126,7 @@ def worker(rank, world, cfg_kw, batch, seq, steps, plan_name="megatron_tp_plan")
         out = out.full_tensor() if hasattr(out, "full_tensor") else out
         made[label] = (fn, compile_s, float((out - ref).abs().max() / ref.abs().max()))
         if label.startswith("fxshard"):
-            nbytes[label] = _fxshard_bytes(compiled_programs()[n0:])
+            nbytes[label] = _fxshard_bytes(compiled_programs(n0))
         else:  # DTensor: its eager step's collectives (the compiled step runs the same)
             seen = CollectiveBytes()
             with torch.no_grad(), seen:

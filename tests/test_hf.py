@@ -116,6 +116,18 @@ def _prefixed(plan, model):
     }
 
 
+def _train_and_compare(model, ref, plan, x, labels):
+    """loss.backward() through the backend vs single device: the loss and every gradient."""
+    want = ref(x, labels=labels).loss
+    want.backward()
+    loss = _compile(model, plan)(x, labels=labels).loss
+    loss.backward()
+    _close(loss, want)
+    for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_shard_and_simulate(name):
     model, plan, kind, x, _ = _build(name)
@@ -131,6 +143,18 @@ def test_shard_and_simulate(name):
         )
 
 
+def _train_and_compare(model, ref, plan, x, labels):
+    """loss.backward() through the backend vs single device: the loss and every gradient."""
+    want = ref(x, labels=labels).loss
+    want.backward()
+    loss = _compile(model, plan)(x, labels=labels).loss
+    loss.backward()
+    _close(loss, want)
+    for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_compile_default_call(name):
     """torch.compile(model, backend="fxshard") called with the model's defaults (a DynamicCache
@@ -143,13 +167,8 @@ def test_compile_default_call(name):
     assert all(not p.warnings for p in compiled_programs(n0))
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_training_with_labels(name):
-    """loss = model(x, labels=...).loss; loss.backward() through the backend: loss and every
-    gradient of single device."""
-    model, plan, _, x, labels = _build(name)
-    model.train()
-    ref = copy.deepcopy(model)
+def _train_and_compare(model, ref, plan, x, labels):
+    """loss.backward() through the backend vs single device: the loss and every gradient."""
     want = ref(x, labels=labels).loss
     want.backward()
     loss = _compile(model, plan)(x, labels=labels).loss
@@ -158,6 +177,16 @@ def test_training_with_labels(name):
     for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is not None:
             _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_training_with_labels(name):
+    """loss = model(x, labels=...).loss; loss.backward() through the backend: loss and every
+    gradient of single device."""
+    model, plan, _, x, labels = _build(name)
+    model.train()
+    ref = copy.deepcopy(model)
+    _train_and_compare(model, ref, plan, x, labels)
 
 
 @pytest.mark.parametrize("name", [n for n, a in ARCHS.items() if a[2] == "text"])
@@ -252,14 +281,7 @@ def test_expert_parallelism_with_the_models_ep_plan(name):
     assert all(c.bytes < shard for c in prog.collectives()), prog.explain()  # no weight moved
     model.train()
     ref.train()
-    want = ref(x, labels=labels).loss
-    want.backward()
-    loss = _compile(model, plan)(x, labels=labels).loss
-    loss.backward()
-    _close(loss, want)
-    for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
-        if q.grad is not None:
-            _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
+    _train_and_compare(model, ref, plan, x, labels)
 
 
 def test_parameter_entries_need_tp_plan_strings():
