@@ -56,7 +56,6 @@ KeptTensors a graph updates in place stay sharded; ``"global"``: gathered.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import re
 import weakref
@@ -273,7 +272,7 @@ def _prefixes(top: nn.Module, frame_modules: dict[str, nn.Module]) -> dict[str, 
 # handed to dynamo (``compiled_programs`` lists their programs)
 _SCOPES: dict[int, tuple[dict, _PlanScope]] = {}
 _GRAPHS: list[weakref.ref] = []
-_BUILT = itertools.count()  # every program built gets the next number
+_BUILT = [0]  # how many programs the backend has built (each gets the next number)
 
 
 def compiled_programs(since: int = 0) -> list:
@@ -287,10 +286,7 @@ def compiled_programs(since: int = 0) -> list:
 
 def programs_built() -> int:
     """How many programs the backend has built so far (a marker for ``compiled_programs``)."""
-    global _BUILT
-    n = next(_BUILT)
-    _BUILT = itertools.count(n)
-    return n
+    return _BUILT[0]
 
 
 _ATTRIBUTE = re.compile(r"(?:\.([A-Za-z_]\w*)|\.__dict__\['([A-Za-z_]\w*)'\])$")
@@ -478,7 +474,9 @@ class ShardedGraph:
         guards this call meets; built on the first call that meets none; None where this graph
         gets a program per size instead (a plan that splits a dynamic dim, ...)."""
         mesh = self.opts.mesh_spec if not self.opts.simulate else None
-        layouts = tuple(_layout(spec_of(a, mesh)) if is_sharded_arg(a) else type(a) for a in args)
+        layouts = tuple(
+            _layout(spec_of(a, mesh)) if is_sharded_arg(a) else _arg_kind(a, mesh) for a in args
+        )
         # (Python numbers dynamo lifted to 0-d tensors are baked into a capture: their values too)
         baked = tuple(args[i].item() for i in sorted(self.baked) if i < len(args))
         skey = (self.dynamic.static_key(args), layouts, baked)
@@ -514,7 +512,7 @@ class ShardedGraph:
         kept_args = frozenset(i for i, a in enumerate(args) if is_kept(a) and i not in dt_specs)
         kept_state = frozenset(
             i for i in kept_args if not args[i].viewed and not training and not opts.simulate
-        )  # (one eager code holds views of stays whole: they must keep seeing it)
+        )  # (one that eager code holds views of stays whole: they must keep seeing it)
         args = tuple(
             standin(a) if i in dt_specs else a.local if is_kept(a) else a
             for i, a in enumerate(args)
@@ -560,7 +558,8 @@ class ShardedGraph:
             if why:
                 raise NotSymbolic(f"the plan splits a dim whose size changes: {why}")
             prog.lowered_graph  # noqa: B018 (restoring the symbolic graph may fail: say so now)
-        self.programs_numbered.append((next(_BUILT), prog))
+        self.programs_numbered.append((_BUILT[0], prog))
+        _BUILT[0] += 1
         if training:
             return self._training_entry(prog, dt_specs)
         arg_index = [info(p).arg_index for p in prog.placeholders]
