@@ -8,6 +8,8 @@ directly elsewhere.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -732,6 +734,16 @@ def make_dtensor(
                 "placements (output_placements) or run under torch.no_grad()"
             )
         stride = torch.empty(tuple(shape), device="meta").stride()
+        kw = {}
+        if from_local_takes_grad_placements():
+            kw["grad_placements"] = plc
+        elif any(isinstance(p, Partial) for p in plc):
+            # torch 2.11's from_local hands a Partial input's gradient back Replicate
+            raise NotImplementedError(
+                f"a DTensor output in {plc} under autograd needs DTensor.from_local's "
+                f"grad_placements (torch >= 2.12; this is {torch.__version__}): ask for other "
+                "placements (output_placements), reduce it first, or run under torch.no_grad()"
+            )
         return DTensor.from_local(
             local,
             device_mesh,
@@ -739,13 +751,21 @@ def make_dtensor(
             run_check=False,
             shape=torch.Size(shape),
             stride=stride,
-            grad_placements=plc,
+            **kw,
         )
     spec = _dtensor_spec(device_mesh, plc, strided, tuple(shape), local.dtype)
     return DTensor(local, spec, requires_grad=False)
 
 
 _SPECS: dict = {}
+
+
+@functools.cache
+def from_local_takes_grad_placements() -> bool:
+    """Whether ``DTensor.from_local`` takes ``grad_placements`` (torch 2.12 on)."""
+    from torch.distributed.tensor import DTensor
+
+    return "grad_placements" in inspect.signature(DTensor.from_local).parameters
 
 
 def _dtensor_spec(device_mesh, plc, strided, shape, dtype):

@@ -495,6 +495,17 @@ class ShardedGraph:
                 e,
             )
             return None
+        except Exception as e:  # a release whose capture needs concrete sizes (torch 2.11's
+            # functionalization runs C++ matmul, which asks numel()): the per-size path is right
+            self.per_size.add(skey)
+            log.warning(
+                "fxshard: no symbolic program for a graph with dynamic shapes on torch %s (%s: "
+                "%s); it gets a program per size",
+                torch.__version__,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            return None
         self.symbolic.setdefault(skey, []).append((check, entry))
         return entry
 

@@ -6,9 +6,11 @@
     python scripts/rule_check.py --only cumsum,squeeze # some OpInfos
 
 Every ATen call the first samples of each OpInfo make (sizes made even, plus each call with its
-dims written negatively), and of the zoo's Llama and ConvNet training steps (``--only "training
-steps"`` for these alone), is checked by ``fxshard.runtime.rulecheck``: every strategy fxshard would
-use, on simulated meshes (2,) and (2, 2), against single device.  Wrong strategies are excluded;
+dims written negatively), and of training steps (the zoo's Llama and ConvNet; with transformers
+installed, GPT-2 and Mixtral built from tiny configs: LayerNorm, Conv1D, grouped matmuls; ``--only
+"training steps"`` for these alone), is checked by ``fxshard.runtime.rulecheck``: every strategy
+fxshard would use (from replicated inputs and from each input sharded on each dim), on simulated
+meshes (2,) and (2, 2), against single device.  Wrong strategies are excluded;
 ``--write`` commits the exclusions (and this run's summary) to ``fxshard/rules/excluded.json``,
 which fxshard loads at import.  A strategy's meaning does not depend on the torch release (only
 which strategies DTensor's rules propose does), so ``--merge`` run under another release adds the
@@ -44,18 +46,46 @@ def _alarm(signum, frame):
     raise _Timeout()
 
 
+def _hf_models() -> list:
+    """GPT-2 (Conv1D, LayerNorm, gelu_new, tied embeddings) and Mixtral (top-2 routing, grouped
+    matmuls, GQA), tiny and random, where transformers is installed."""
+    try:
+        import transformers
+    except ImportError:
+        return []
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    mixtral = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return [
+        (transformers.GPT2LMHeadModel(gpt2), (ids,)),
+        (transformers.MixtralForCausalLM(mixtral), (ids,)),
+    ]
+
+
 def training_step_calls(samples: int) -> list:
-    """The ATen calls of the zoo's Llama and ConvNet training steps, forward and backward: op_db's
-    samples call forward ops, these reach the backward ones (convolution_backward, index_put)."""
+    """The ATen calls of training steps, forward and backward: op_db's samples call forward ops,
+    these reach the backward ones (convolution_backward, native_layer_norm_backward, index_put)."""
     from fxshard import zoo
 
-    calls = []
+    models = []
     for model in (zoo.Llama(zoo.LlamaConfig()), zoo.ConvNet()):
         model = zoo.init_weights(model)
-        inputs = zoo.example_input(model, generator=torch.Generator().manual_seed(1))
+        models.append((model, zoo.example_input(model, generator=torch.Generator().manual_seed(1))))
+    calls = []
+    for model, inputs in models + _hf_models():
 
         def step(model=model, inputs=inputs):
-            model(*inputs).float().pow(2).mean().backward()
+            out = model(*inputs)
+            out = getattr(out, "logits", out)
+            out.float().pow(2).mean().backward()
 
         calls += rulecheck.unique_calls(rulecheck.record_calls(step), per_op=samples)
     return calls

@@ -1,15 +1,15 @@
-"""Every legal state of a reshape from a strided input, run on simulated ranks.
+"""Every legal state of a reshape from a sharded input, plain or strided, run on simulated ranks.
 
     python scripts/strided_reshapes.py              # with fxshard's check (expect 0 wrong)
     python scripts/strided_reshapes.py --unchecked  # DTensor's view rule alone
 
-For shapes (4, 120), (2, 3, 24), (6, 8), a handful of views each, every ``_StridedShard`` input
-placement (each tensor dim, split factors 2-4, each mesh dim, the other mesh dim replicated or
-sharded) on meshes (2,), (2, 2), (2, 3), (3, 2): each state ``PlacementProblem.legal_states``
-offers for the view with the input so placed runs through the lowering's per-rank interpreter
-(``rulecheck``) and is compared with single device.  ``--unchecked`` turns off
-``placement.problem.reshapes_soundly`` (fxshard's index-by-index check) to count what DTensor's
-rule alone proposes.  About a minute.
+For shapes (4, 120), (2, 3, 24), (6, 8), a handful of views each, every ``Shard`` and
+``_StridedShard`` input placement (each tensor dim, split factors 1 (plain) to 4, each mesh dim,
+the other mesh dim replicated or sharded) on meshes (2,), (2, 2), (2, 3), (3, 2): each state
+``PlacementProblem.legal_states`` offers for the view with the input so placed runs through the
+lowering's per-rank interpreter (``rulecheck``) and is compared with single device.
+``--unchecked`` turns off ``placement.problem.reshapes_soundly`` (fxshard's index-by-index check)
+to count what the rules alone propose.  About a minute.
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ def main():
         for shape, views in CASES:
             x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
             for d in range(len(shape)):
-                for sf in (2, 3, 4):
+                for sf in (1, 2, 3, 4):
                     for m in range(len(mesh)):
                         others = [None]
                         if len(mesh) > 1:
                             others += [Shard(e) for e in range(len(shape))]
                         for other in others:
                             plc = [Replicate()] * len(mesh)
-                            plc[m] = StridedShard(d, split_factor=sf)
+                            plc[m] = Shard(d) if sf == 1 else StridedShard(d, split_factor=sf)
                             if other is not None:
                                 plc[1 - m] = other
                             for v in views:
@@ -86,7 +86,7 @@ def main():
                                 except ValueError:  # a placement these sizes do not take
                                     continue
                                 m_total, m_wrong = m_total + n, m_wrong + bad
-        print(f"mesh {str(mesh):8} strided view states {m_total:5d}  wrong {m_wrong:4d}")
+        print(f"mesh {str(mesh):8} view states {m_total:5d}  wrong {m_wrong:4d}")
         total, wrong = total + m_total, wrong + m_wrong
     print(f"all: {total} states, {wrong} wrong ({'unchecked' if args.unchecked else 'checked'})")
 

@@ -14,7 +14,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxshard
-from fxshard._torch import StridedShard, local_tensor_mode, local_tensor_values
+from fxshard._torch import (
+    StridedShard,
+    from_local_takes_grad_placements,
+    local_tensor_mode,
+    local_tensor_values,
+)
 from fxshard.backend import BackendOptions
 from fxshard.runtime.boundary import spec_of, wrap_output
 from fxshard.runtime.launch import spawn
@@ -72,15 +77,20 @@ def test_dtensor_layouts_are_fxshard_layouts(fake_world, shape, placements):
         assert torch.equal((back * 2).sum(-1).full_tensor(), (full * 2).sum(-1))
         leaf = dt.to_local().detach().clone().requires_grad_(True)
         w = distribute_tensor(weight, dm, [Replicate()] * len(shape))
-        (wrap_output(leaf, dm, spec) * w).sum().backward()
-        grads = local_tensor_values(leaf.grad, 4)
+        partial = any(isinstance(p, Partial) for p in placements)
+        if partial and not from_local_takes_grad_placements():  # torch 2.11: refused, said why
+            with pytest.raises(NotImplementedError, match="grad_placements"):
+                wrap_output(leaf, dm, spec)
+            grads = None
+        else:
+            (wrap_output(leaf, dm, spec) * w).sum().backward()
+            grads = local_tensor_values(leaf.grad, 4)
         w_plain = local_tensor_values(w.redistribute(dm, plain).to_local(), 4)
         assert torch.equal(back.full_tensor(), full) and torch.equal(dt.full_tensor(), full)
     coords = [
         tuple(int(i) for i in c)
         for c in torch.cartesian_prod(*[torch.arange(k) for k in shape]).view(-1, len(shape))
     ]
-    partial = any(isinstance(p, Partial) for p in placements)
     for rank, coord in enumerate(coords):
         if partial:
             assert locals_[rank].shape == spec.local_shape(coord)
@@ -89,7 +99,7 @@ def test_dtensor_layouts_are_fxshard_layouts(fake_world, shape, placements):
         assert torch.equal(again[rank], locals_[rank])
         # d(sum(x * w))/dx: this rank's shard of w (a Partial output: its share, w / 2 here)
         want = spec.local_of(weight, coord) if not partial else w_plain[rank] / 2
-        assert torch.allclose(grads[rank], want), (rank, coord, spec)
+        assert grads is None or torch.allclose(grads[rank], want), (rank, coord, spec)
 
 
 def test_a_dtensor_of_another_mesh_is_refused(fake_world):

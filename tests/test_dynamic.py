@@ -61,6 +61,15 @@ def _attention_plan():
             "o": RowwiseParallel()}  # fmt: skip
 
 
+# torch 2.11's functionalization runs C++ matmul on a 3-d input, which asks numel() of symbolic
+# sizes: no symbolic program there, a program per size (logged, right); 2.12 on: one program
+SYMBOLIC_MATMUL = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12),
+    reason="torch 2.11 capture asks numel() of symbolic sizes in matmul: a program per size",
+)
+
+
+@SYMBOLIC_MATMUL
 @pytest.mark.parametrize("mesh", [MESH, MESH3], ids=["even heads", "uneven heads"])
 def test_one_program_for_every_cache_length(mesh):
     """A decode step whose cache grows every call: after dynamo marks the length dynamic (its
@@ -93,6 +102,7 @@ def test_one_program_for_every_cache_length(mesh):
         assert heads == ["S(1)", "S(1)"], heads  # the cache's heads sharded, its length whole
 
 
+@SYMBOLIC_MATMUL
 def test_a_plan_that_splits_the_dynamic_dim_gets_a_program_per_size(caplog):
     """Sequence parallelism splits the sequence: with a dynamic sequence no symbolic program can
     keep it whole, so each length gets its own program (said once), and every one is right."""

@@ -500,3 +500,64 @@ def test_a_select_of_a_nonzero_number_is_not_partial():
         n = g.call_function(torch.ops.aten.where.ScalarSelf, (c, number, y))
         n.meta["val"] = torch.ones(2)
         assert zero_filled(n) == want
+
+
+# ---- rules that older torch releases get wrong -------------------------------------------------
+
+
+def test_a_strided_candidate_is_offered_only_where_its_plain_one_is():
+    """A rule that tests ``isinstance(p, Shard)`` takes a ``_StridedShard`` for an unsharded dim:
+    torch 2.11's ``cat`` passed ``_S(2,2)`` inputs through a cat on dim 2 as an ``_S(2,2)`` output
+    (a packed gate/up weight's gradient came out wrong).  Such a candidate is dropped; one whose
+    plain form the rule offers (a cat on another dim) is kept."""
+    from fxshard._torch import StridedShard
+    from fxshard.rules import dtensor as dt
+    from fxshard.rules import rules_mesh
+
+    a = torch.randn(4, 8, 32)
+    mesh = rules_mesh((4,))
+    s = (StridedShard(2, split_factor=2),)
+    cat = torch.ops.aten.cat.default
+    wrong = ((s, s), (s,))
+    assert dt._strided_as_plain(cat, ([a, a], 2), {}, mesh, [s, s], [wrong]) == []
+    right = ((s, s), (s,))  # a cat on dim 0 keeps dim 2's shards
+    assert dt._strided_as_plain(cat, ([a, a], 0), {}, mesh, [s, s], [right]) == [right]
+    # and what this release's rules offer for the cat on dim 2 has no strided output
+    for ins, outs in fxshard.rules.candidates(cat, ([a, a], 2), {}, mesh, [s, s]):
+        assert "Strided" not in repr(outs), (ins, outs)
+
+
+def test_an_index_reduction_is_never_partial():
+    """A position found in one rank's shard is a local index: no reduction of the ranks' indices
+    is the global one (torch 2.11 offered ``argmax`` along a sharded dim as ``Partial(max)``)."""
+    from fxshard import rules
+
+    x = torch.randn(6, 4)
+    mesh = rules.rules_mesh((2,))
+    fake = [(((Shard(0),),), ((Partial("max"),),)), (((Shard(1),),), ((Shard(0),),))]
+    assert rules._no_partial_indices(torch.ops.aten.argmax.default, fake) == fake[1:]
+    both = [(((Shard(0),),), ((Partial("max"),), (Partial("max"),)))]
+    assert rules._no_partial_indices(torch.ops.aten.max.dim, both) == []
+    for op in (torch.ops.aten.argmax.default, torch.ops.aten.argmin.default):
+        for _, outs in rules.candidates(op, (x, 0), {}, mesh, [(Shard(0),)]):
+            assert not any(p.is_partial() for p in outs[0]), (op, outs)
+    prog = fxshard.shard(
+        lambda t: t.argmax(0), fxshard.MeshSpec((2,)), example_inputs=(x,),
+        input_placements=[(Shard(0),)],
+    )  # fmt: skip
+    assert torch.equal(prog.simulate(x), x.argmax(0))
+
+
+def test_a_pointwise_op_keeps_a_strided_input_strided():
+    """A packed gate/up output (``_S(1,2)``) masked by ``where``: the result stays strided, no
+    collective (torch 2.11's pointwise rules propose only plain shards)."""
+    from fxshard import rules
+    from fxshard._torch import StridedShard
+
+    cond, y = torch.rand(32, 1) > 0.5, torch.randn(32, 128)
+    s = (StridedShard(1, split_factor=2),)
+    found = rules.candidates(
+        torch.ops.aten.where.self, (cond, torch.tensor(0.0), y), {}, rules.rules_mesh((4,)),
+        [(Replicate(),), (Replicate(),), s],
+    )  # fmt: skip
+    assert (((Replicate(),), (Replicate(),), s), (s,)) in found, found

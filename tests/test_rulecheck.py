@@ -62,7 +62,10 @@ def _with_negative_dims(calls):
 def test_the_strategies_of_a_training_step_are_right(name):
     model, inputs = _model(name)
     calls = rulecheck.unique_calls(rulecheck.record_calls(_step(model, inputs)), per_op=2)
-    report = rulecheck.check_calls(_with_negative_dims(calls), exclude=False)
+    # what fxshard offers: DTensor's rules less the table of strategies found wrong
+    # (``scripts/rule_check.py --merge --write`` on each release; torch 2.11's layer-norm backward
+    # rule proposes some)
+    report = rulecheck.check_calls(_with_negative_dims(calls), exclude=True)
     assert report.wrong == [], str(report)
     # the check ran: many ops, and many non-replicated strategies of each
     assert len(report.ops) >= 19 and report.checked >= 20 * len(report.ops), str(report)

@@ -123,7 +123,7 @@ def has_empty_shard(spec: ShardingSpec) -> bool:
 _VIEW_CHECK_LIMIT = 1 << 22
 
 
-def _reshape_groups(a: Sequence[int], b: Sequence[int]) -> list | None:
+def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list | None:
     """The dims of shape ``a`` and ``b`` (size-1 dims left out) that a row-major reshape maps onto
     each other: ``[(a dims, b dims), ...]`` with equal products; None where the sizes do not
     factor so (they always do for a valid view)."""
@@ -165,7 +165,7 @@ def reshape_keeps_shards(src: ShardingSpec, dst: ShardingSpec) -> bool:
     mesh = src.mesh.shape
     if any(lv and n == 1 for s in (src, dst) for n, lv in zip(s.shape, s.levels)):
         return False
-    groups = _reshape_groups(src.shape, dst.shape)
+    groups = reshape_groups(src.shape, dst.shape)
     if groups is None:
         return False
     owner = {}  # mesh dim -> the group it splits, in src and in dst alike

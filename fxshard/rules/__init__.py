@@ -23,6 +23,7 @@ from .own import (
     FACTORY_OPS,
     INDEX_PUT_OPS,
     POOL_OPS,
+    RESHAPE_OPS,
     SDPA_OPS,
     SHAPE_RANDOM_OPS,
     SQUEEZE_DIMS,
@@ -42,6 +43,7 @@ from .own import (
     shape_random_candidates,
     squeeze_dims_candidates,
     strided_cat_candidates,
+    strided_reshape_candidates,
     strided_split_candidates,
 )
 from .user import has_rule, register_rule, unregister_rule, user_candidates
@@ -56,7 +58,34 @@ def candidates(
 ) -> list | str | None:
     """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
     placements; ``None`` when no rule exists.  Dim arguments are normalised first (``dims``)."""
-    return drop_excluded(op, _candidates(op, args, kwargs, device_mesh, input_placements))
+    return drop_excluded(
+        op, _no_partial_indices(op, _candidates(op, args, kwargs, device_mesh, input_placements))
+    )
+
+
+_INDEX_OPS = frozenset({"aten::argmax", "aten::argmin"})
+
+
+def _no_partial_indices(op, found):
+    """Candidates without a Partial index output: a position found on one rank's shard is a local
+    index, and no reduction of ranks' local indices is the global one (torch 2.11 offers
+    ``argmax`` of a ``Shard(0)`` input along dim 0 as ``Partial(max)``)."""
+    if not isinstance(found, list):
+        return found
+    names = [r.name for r in op._schema.returns]
+    idx = [i for i, n in enumerate(names) if n == "indices"]
+    if op._schema.name in _INDEX_OPS:
+        idx = [0]
+    if not idx:
+        return found
+    return [
+        (ins, outs)
+        for ins, outs in found
+        if not any(
+            i < len(outs) and outs[i] is not None and any(p.is_partial() for p in outs[i])
+            for i in idx
+        )
+    ]
 
 
 def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str | None:
@@ -92,6 +121,8 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
     found = dtensor_candidates(op, args, kwargs, device_mesh, input_placements)
     if op in STRIDED_SPLIT_OPS and found is not None:
         found = found + strided_split_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op in RESHAPE_OPS and found is not None:
+        found = found + strided_reshape_candidates(args, device_mesh, input_placements, found)
     if op == STRIDED_CAT and found is not None:
         found = found + strided_cat_candidates(args, kwargs, device_mesh, input_placements)
     if found is None:  # ops DTensor rules only in later torch releases

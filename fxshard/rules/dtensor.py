@@ -421,6 +421,12 @@ def dtensor_candidates(
     ):
         return None
     res = [c for c in (_plain_outputs(c) for c in found) if c is not None]
+    if torch.Tag.pointwise in op.tags:
+        res = res + _pointwise_strided(res, cur)
+    if op not in _RESHAPES and any(
+        isinstance(p, _StridedShard) for side in res for c in side for plc in c if plc for p in plc
+    ):
+        res = _strided_as_plain(op, args, kwargs, device_mesh, cur, res)
     if drop_strided_shard:
         res = [
             c
@@ -433,6 +439,90 @@ def dtensor_candidates(
 
 
 _PLAIN = (Replicate, Shard, _StridedShard)
+
+# reshapes map dims onto others: their strided candidates are checked index by index where they
+# are placed (``placement.problem.reshapes_soundly``)
+_RESHAPES = frozenset(
+    {
+        torch.ops.aten.view.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.reshape.default,
+        torch.ops.aten.view_copy.default,
+    }
+)
+
+
+def _as_plain(plc):
+    if plc is None:
+        return None
+    return tuple(Shard(p.dim) if isinstance(p, _StridedShard) else p for p in plc)
+
+
+def _pointwise_strided(res, cur) -> list:
+    """A pointwise op's candidates for inputs strided on a dim, from its plain ones: on a mesh dim
+    where an input is ``_S(d, sf)`` and a plain candidate has it ``Shard(d)``, every ``Shard`` of
+    that mesh dim strided alike (broadcasting aligns the sharded dims, so every tensor's positions
+    are the same ones).  torch 2.12 on proposes these itself (duplicates are dropped); torch
+    2.11's pointwise rules do not, so a packed gate/up output was gathered before its mask."""
+    have = set(res)
+    extra = []
+    for i, plc in enumerate(cur):
+        for m, p in enumerate(plc or ()):
+            if not isinstance(p, _StridedShard):
+                continue
+            sf = p.split_factor
+            for ins, outs in res:
+                q = ins[i][m] if i < len(ins) and ins[i] else None
+                if not (isinstance(q, Shard) and type(q) is Shard and q.dim == p.dim):
+                    continue
+
+                def strided(side, m=m, sf=sf):
+                    return tuple(
+                        None if c is None else tuple(
+                            _StridedShard(x.dim, split_factor=sf)
+                            if k == m and type(x) is Shard else x
+                            for k, x in enumerate(c)
+                        )
+                        for c in side
+                    )  # fmt: skip
+
+                cand = (strided(ins), strided(outs))
+                if cand not in have:
+                    have.add(cand)
+                    extra.append(cand)
+    return extra
+
+
+def _strided_as_plain(op, args, kwargs, device_mesh, cur, res) -> list:
+    """The candidates with a strided shard that the rule also offers with plain shards of the same
+    dims (the op treats the dim as independent positions, and a strided shard is some of them).
+
+    Releases whose rules test ``isinstance(p, Shard)`` take a ``_StridedShard`` (no Shard there)
+    for an unsharded dim: torch 2.11's ``cat`` passes ``_S(2,2)`` inputs through a cat on dim 2
+    as an ``_S(2,2)`` output, a wrong result.  What the rule would not do with the plain shard it
+    is not trusted to do with the strided one."""
+    plain_cur = [_as_plain(c) for c in cur]
+    plain = (
+        res
+        if plain_cur == cur
+        else (dtensor_candidates(op, args, kwargs, device_mesh, plain_cur) or [])
+    )
+    offered = {
+        (tuple(_as_plain(i) for i in ins), tuple(_as_plain(o) for o in outs))
+        for ins, outs in (*plain, *res)
+        if not any(isinstance(p, _StridedShard) for side in (ins, outs) for c in side if c
+                   for p in c)
+    }  # fmt: skip
+    kept = []
+    for ins, outs in res:
+        strided = any(isinstance(p, _StridedShard) for side in (ins, outs) for c in side if c
+                      for p in c)  # fmt: skip
+        key = (tuple(_as_plain(i) for i in ins), tuple(_as_plain(o) for o in outs))
+        if not strided or key in offered:
+            kept.append((ins, outs))
+        else:
+            log.debug("fxshard: %s: strided candidate %s dropped (no plain counterpart)", op, key)
+    return kept
 
 
 def _plain_outputs(cand: Candidate) -> Candidate | None:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._pytree import tree_flatten
 
 from .._torch import StridedShard, is_strided_shard, strided_split_factor
+from ..core.spec import reshape_groups
 from .dtensor import dtensor_candidates
 
 aten = torch.ops.aten
@@ -425,6 +427,72 @@ def strided_split_candidates(
         )
         out.append(((new_in, *ins[1:]), new_outs))
     return out
+
+
+# row-major reshapes: a dim sharded behind others of the dims it merges with is a strided shard
+# of the merged dim (heads sharded in ``[b, h, s, d] -> [b*h, s, d]``, eager attention's matmul),
+# and back.  DTensor's view rule knows these from torch 2.12 on; on earlier releases these
+# candidates are fxshard's.  Each is checked exactly against the ranks' global indices where it
+# is placed (``reshapes_soundly``); duplicates of DTensor's are dropped.
+RESHAPE_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def _reshaped_placement(p, in_shape, out_shape, groups):
+    """The output placement of a strided reshape for one mesh dim's input placement ``p``: the
+    merged / split dim where the input's piece lands, strided by what lies before it; None where
+    ``p`` is a plain shard that stays plain (DTensor's rule covers those) or nothing fits."""
+    if not isinstance(p, Shard) and not is_strided_shard(p):
+        return p
+    sf = strided_split_factor(p) if is_strided_shard(p) else 1
+    d = p.dim % len(in_shape)
+    for ga, gb in groups:
+        if d not in ga:
+            continue
+        before = sf * math.prod(in_shape[e] for e in ga[: ga.index(d)])
+        for i in range(len(gb) - 1, -1, -1):
+            pre = math.prod(out_shape[e] for e in gb[:i])
+            if before % pre == 0:
+                out_sf = before // pre
+                return Shard(gb[i]) if out_sf == 1 else StridedShard(gb[i], split_factor=out_sf)
+        return None
+    return None
+
+
+def strided_reshape_candidates(args, device_mesh: DeviceMesh, input_placements, found) -> list:
+    """The reshape candidates with a strided shard on either side that ``found`` lacks: from every
+    shard of an input dim (and the input's own strided placements) per mesh dim, the output
+    placement the reshape gives it."""
+    x, shape = args[0], args[1]
+    in_shape = list(x.shape)
+    out_shape = list(shape)
+    if -1 in out_shape:
+        known = math.prod(n for n in out_shape if n != -1)
+        out_shape[out_shape.index(-1)] = math.prod(in_shape) // known if known else 0
+    if not all(isinstance(n, int) for n in (*in_shape, *out_shape)):
+        return []
+    groups = reshape_groups(in_shape, out_shape)
+    if groups is None:
+        return []
+    per_mesh = []
+    for m in range(device_mesh.ndim):
+        opts = [Replicate(), *(Shard(d) for d in range(len(in_shape)) if in_shape[d] > 1)]
+        own = input_placements[0][m] if input_placements and input_placements[0] else None
+        if own is not None and (is_strided_shard(own) or own.is_partial()):
+            opts.append(own)
+        per_mesh.append(opts)
+    have = {(tuple(ins[0]), tuple(outs[0])) for ins, outs in found if ins[0] and outs[0]}
+    extra = []
+    for plc in itertools.product(*per_mesh):
+        out = tuple(_reshaped_placement(p, in_shape, out_shape, groups) for p in plc)
+        if any(o is None for o in out):
+            continue
+        if not any(is_strided_shard(p) for p in (*plc, *out)) or (plc, out) in have:
+            continue
+        dims = [p.dim for p in out if isinstance(p, Shard) or is_strided_shard(p)]
+        if len(set(dims)) < len(dims):
+            continue  # two mesh dims on one output dim: their order is DTensor's to state
+        extra.append(((plc,), (out,)))
+    return extra
 
 
 STRIDED_CAT = aten.cat.default

@@ -34,6 +34,7 @@ from .._torch import (
     OpOverloadPacket,
     Partial,
     Replicate,
+    Shard,
     coordinate_tensor,
     opinfo_db,
     record_aten_calls,
@@ -160,12 +161,14 @@ def opinfo_samples(op: OpOverload, max_samples: int = 4) -> list[tuple]:
 
 
 def opinfo_calls(opinfo, max_samples: int = 3) -> list[tuple]:
-    """The ATen calls of an OpInfo's first float32 samples."""
+    """The ATen calls of an OpInfo's first float32 samples, those of a tensor with dims first
+    (reductions' first samples are 0-d: nothing to shard)."""
     calls = []
     try:
         samples = list(opinfo.sample_inputs("cpu", torch.float32, requires_grad=False))
     except Exception:  # an OpInfo without float32 samples
         return calls
+    samples.sort(key=lambda s: isinstance(s.input, torch.Tensor) and s.input.ndim == 0)
     for s in samples[:max_samples]:
         try:
             with torch.no_grad():
@@ -244,6 +247,31 @@ def _one_node_graph(op, args, kwargs, outs) -> tuple[fx.GraphModule, fx.Node, li
     return fx.GraphModule(torch.nn.Module(), graph), node, tensors
 
 
+def _from_sharded_inputs(problem, node, tensors) -> list:
+    """The states a rule offers when one input arrives sharded on one dim (on each mesh dim in
+    turn): DTensor's follow-the-input rules propose from the inputs' current placements, and some
+    proposals appear only then (torch 2.11's ``argmax`` of a ``Shard(0)`` input along dim 0 as
+    ``Partial(max)``: local indices, a wrong result)."""
+    out = []
+    for i, t in enumerate(tensors):
+        for d in range(t.ndim):
+            for m in range(problem.mesh.ndim):
+                plc = [Replicate()] * problem.mesh.ndim
+                plc[m] = Shard(d)
+                try:
+                    spec = problem.spec(plc, t)
+                except ValueError:  # a size this mesh dim does not split
+                    continue
+                cur = [spec if j == i else problem.replicated(u) for j, u in enumerate(tensors)]
+                try:
+                    found = problem.legal_states(node, cur)
+                except Exception:
+                    continue
+                if found.source == "rule":
+                    out += found.states
+    return out
+
+
 def _check_call(op, args, kwargs, mesh_shape, exclude) -> RuleReport:
     report = RuleReport(ops={str(op)})
     call = _describe(op, args, kwargs)
@@ -269,8 +297,11 @@ def _check_call(op, args, kwargs, mesh_shape, exclude) -> RuleReport:
     if states.source != "rule":
         report.skip(f"no rule ({states.source})")
         return report
-    todo = []
-    for in_specs, out_specs in states.states:
+    todo, seen = [], set()
+    for in_specs, out_specs in (*states.states, *_from_sharded_inputs(problem, node, tensors)):
+        if (in_specs, out_specs) in seen:
+            continue
+        seen.add((in_specs, out_specs))
         if all(_replicated(s) for s in (*in_specs, *out_specs)):
             continue
         if any(
