@@ -488,6 +488,9 @@ def strided_reshape_candidates(args, device_mesh: DeviceMesh, input_placements, 
             continue
         if not any(is_strided_shard(p) for p in (*plc, *out)) or (plc, out) in have:
             continue
+        if sum(isinstance(p, Shard) or is_strided_shard(p) for p in plc) > 1:
+            continue  # one mesh dim at a time: torch 2.11's auto plans of a sequence sharded on
+            # two mesh dims got worse (231 us vs 108 with 2.13's rule) with the 2-d ones
         dims = [p.dim for p in out if isinstance(p, Shard) or is_strided_shard(p)]
         if len(set(dims)) < len(dims):
             continue  # two mesh dims on one output dim: their order is DTensor's to state
