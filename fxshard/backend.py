@@ -505,6 +505,7 @@ class ShardedGraph:
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )
+            log.debug("fxshard: the symbolic build's error", exc_info=True)
             return None
         self.symbolic.setdefault(skey, []).append((check, entry))
         return entry

@@ -58,9 +58,40 @@ def candidates(
 ) -> list | str | None:
     """All candidate strategies for ``op`` (args with fake tensors) given the inputs' current
     placements; ``None`` when no rule exists.  Dim arguments are normalised first (``dims``)."""
-    return drop_excluded(
-        op, _no_partial_indices(op, _candidates(op, args, kwargs, device_mesh, input_placements))
-    )
+    found = _candidates(op, args, kwargs, device_mesh, input_placements)
+    found = _no_partial_casts(args, kwargs, _no_partial_indices(op, found))
+    return drop_excluded(op, found)
+
+
+def _no_partial_casts(args, kwargs, found):
+    """Candidates without a Partial floating input where the op casts to an integer dtype
+    (``cumsum(x, 0, dtype=torch.int32)``): each addend is truncated on its own, and the truncated
+    addends do not sum to the truncated sum (torch 2.14 offers ``P -> P`` for it)."""
+    import torch
+
+    dtype = (kwargs or {}).get("dtype")
+    if not isinstance(found, list) or not isinstance(dtype, torch.dtype):
+        return found
+    if dtype.is_floating_point or dtype.is_complex:
+        return found
+    tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
+    floating = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+    if not floating:
+        return found
+    return [
+        (ins, outs)
+        for ins, outs in found
+        if not any(
+            i < len(ins) and ins[i] is not None and any(p.is_partial() for p in ins[i])
+            for i in floating
+        )
+    ]
+
+
+def _flat(args):
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(tuple(args))[0]
 
 
 _INDEX_OPS = frozenset({"aten::argmax", "aten::argmin"})

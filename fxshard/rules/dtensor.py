@@ -493,6 +493,24 @@ def _pointwise_strided(res, cur) -> list:
     return extra
 
 
+def _uniform_strides(ins, outs) -> bool:
+    """Per mesh dim, the shards of a candidate all plain or all strided in one split factor:
+    a strided shard paired with a plain one (``mm`` of ``_S(1,2)`` rows by ``S(0)``) pairs
+    other positions, and a changed split factor on a non-reshape op moves data."""
+    sides = [c for side in (ins, outs) for c in side if c]
+    for m in range(max((len(c) for c in sides), default=0)):
+        kinds = set()
+        for c in sides:
+            p = c[m]
+            if isinstance(p, _StridedShard):
+                kinds.add(p.split_factor)
+            elif isinstance(p, Shard):
+                kinds.add(1)
+        if len(kinds) > 1:
+            return False
+    return True
+
+
 def _strided_as_plain(op, args, kwargs, device_mesh, cur, res) -> list:
     """The candidates with a strided shard that the rule also offers with plain shards of the same
     dims (the op treats the dim as independent positions, and a strided shard is some of them).
@@ -518,6 +536,8 @@ def _strided_as_plain(op, args, kwargs, device_mesh, cur, res) -> list:
         strided = any(isinstance(p, _StridedShard) for side in (ins, outs) for c in side if c
                       for p in c)  # fmt: skip
         key = (tuple(_as_plain(i) for i in ins), tuple(_as_plain(o) for o in outs))
+        if strided and not _uniform_strides(ins, outs):
+            continue
         if not strided or key in offered:
             kept.append((ins, outs))
         else:
