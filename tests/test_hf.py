@@ -143,18 +143,6 @@ def test_shard_and_simulate(name):
         )
 
 
-def _train_and_compare(model, ref, plan, x, labels):
-    """loss.backward() through the backend vs single device: the loss and every gradient."""
-    want = ref(x, labels=labels).loss
-    want.backward()
-    loss = _compile(model, plan)(x, labels=labels).loss
-    loss.backward()
-    _close(loss, want)
-    for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
-        if q.grad is not None:
-            _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
-
-
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_compile_default_call(name):
     """torch.compile(model, backend="fxshard") called with the model's defaults (a DynamicCache
@@ -165,18 +153,6 @@ def test_compile_default_call(name):
     with torch.no_grad():
         _close(_compile(model, plan)(x).logits, ref(x).logits)
     assert all(not p.warnings for p in compiled_programs(n0))
-
-
-def _train_and_compare(model, ref, plan, x, labels):
-    """loss.backward() through the backend vs single device: the loss and every gradient."""
-    want = ref(x, labels=labels).loss
-    want.backward()
-    loss = _compile(model, plan)(x, labels=labels).loss
-    loss.backward()
-    _close(loss, want)
-    for (fqn, p), q in zip(model.named_parameters(), ref.parameters()):
-        if q.grad is not None:
-            _close(p.grad, q.grad, rtol=1e-4, msg=fqn)
 
 
 @pytest.mark.parametrize("name", list(ARCHS))

@@ -78,12 +78,18 @@ def _no_partial_casts(args, kwargs, found):
     floating = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
     if not floating:
         return found
+    return _without_partial(found, 0, floating)
+
+
+def _without_partial(found, side, idx):
+    """``found`` less the candidates with a Partial placement at input (side 0) or output
+    (side 1) positions ``idx``."""
     return [
-        (ins, outs)
-        for ins, outs in found
+        c
+        for c in found
         if not any(
-            i < len(ins) and ins[i] is not None and any(p.is_partial() for p in ins[i])
-            for i in floating
+            i < len(c[side]) and c[side][i] is not None and any(p.is_partial() for p in c[side][i])
+            for i in idx
         )
     ]
 
@@ -109,14 +115,7 @@ def _no_partial_indices(op, found):
         idx = [0]
     if not idx:
         return found
-    return [
-        (ins, outs)
-        for ins, outs in found
-        if not any(
-            i < len(outs) and outs[i] is not None and any(p.is_partial() for p in outs[i])
-            for i in idx
-        )
-    ]
+    return _without_partial(found, 1, idx)
 
 
 def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str | None:
