@@ -988,3 +988,26 @@ def functionalized(fn: Callable) -> Callable:
         return outs
 
     return inner
+
+
+def process_group(group_name: str):
+    """The ProcessGroup of a functional-collective group name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def simulated_groups(group_name: str) -> list[list[int]]:
+    """The global ranks of every group of a process group's layout under ``LocalTensorMode`` (one
+    mesh dim's group name stands for all groups along that dim): ``[[ranks of group 0], ...]``,
+    each in group-rank order."""
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    ranks, offsets, _ = _prepare_collective_groups(process_group(group_name))
+    return [[o + r for r in ranks] for o in offsets]
+
+
+def local_tensor_mode_class():
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    return LocalTensorMode

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Replicate
 
 from .capture import Captured, capture_dynamo_graph, capture_forward, capture_joint
 from .capture.common import ModelSnapshot
+from .capture.regions import expert_regions
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
@@ -130,7 +131,21 @@ def capture(
     else:
         c = capture_forward(model, example_inputs, boundaries=constraints.hooked)
     snapshot = ModelSnapshot.of(model) if isinstance(model, nn.Module) else None
-    return dataclasses.replace(c, config=config, constraints=constraints, snapshot=snapshot)
+    c = dataclasses.replace(c, config=config, constraints=constraints, snapshot=snapshot)
+    _form_regions(c)
+    return c
+
+
+def _form_regions(c: Captured) -> None:
+    """Experts modules the plan splits by experts become one op each (forward captures: expert
+    parallelism by token dispatch, ``capture.regions``)."""
+    experts = getattr(c.constraints, "experts", None)
+    if not experts or c.training:
+        return
+    shape = c.config.mesh.shape
+    done = expert_regions(c.gm, experts, shape)
+    if c.symbolic is not None and done:
+        expert_regions(c.symbolic.gm, {f: experts[f] for f in done}, shape)
 
 
 def _check_placements(mesh, input_placements, output_placements) -> None:
@@ -429,6 +444,7 @@ def shard_dynamo_graph(
         gm, args, constraints.hooked, roots, sources, training=training, dynamic=dynamic
     )
     c = dataclasses.replace(c, config=config, constraints=constraints)
+    _form_regions(c)
     if output_placements is None:
         output_placements = [(Replicate(),) * config.mesh.ndim] * num_outputs
     input_placements = None

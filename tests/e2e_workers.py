@@ -913,3 +913,57 @@ def hf_cache_state(rank, world):
                                  local=tuple(k.local.shape), shape=tuple(k.shape),
                                  keys=_rel(k * 1, caches[1].layers[0].keys))  # fmt: skip
     return out
+
+
+def moe_expert_dispatch(rank, world):
+    """A Mixtral whose 3 experts are split over the ranks (uneven blocks): tokens split by batch
+    through ``fxshard.shard(...).compile()`` (token dispatch: all-to-alls inside the experts
+    region), and the model's own expert-parallel plan through ``torch.compile`` (tokens replicated:
+    each rank its experts' pairs, all-reduced).  Errors against single device and the experts ops
+    each per-rank program runs."""
+    import transformers as T
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from fxshard.backend import compiled_programs, programs_built
+
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                          head_dim=8, num_experts_per_tok=2, num_local_experts=3)  # fmt: skip
+    model = T.MixtralForCausalLM(cfg).eval()
+    x = torch.randint(1, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x).logits
+
+    class Logits(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(ids).logits
+
+    def experts_ops(gm):
+        return sorted({str(n.target) for n in gm.graph.nodes if "moe_experts" in str(n.target)})
+
+    dm = init_device_mesh("cpu", (world,))
+    out = {}
+    experts = "m.model.layers.*.mlp.experts."
+    plan = {experts + p: "grouped_gemm" for p in ("gate_up_proj", "down_proj")}
+    rows = [(Shard(0),)]
+    prog = fxshard.shard(Logits(model), dm, plan, example_inputs=(x,), input_placements=rows,
+                         output_placements=rows)  # fmt: skip
+    fn = prog.compile()
+    with torch.no_grad():
+        got = fn(x)
+    local_want = fn.output_specs[0].local_of(want, fn.coord_ints)
+    out["dispatch"] = (_rel(got, local_want), experts_ops(prog.local_graph))
+    torch._dynamo.reset()
+    n0 = programs_built()
+    f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": dict(model._ep_plan)})
+    with torch.no_grad():
+        got = f(x).logits
+    (p,) = compiled_programs(n0)
+    out["ep_plan"] = (_rel(got, want), experts_ops(p.local_graph))
+    return out

@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .._torch import (
     COLLECTIVE_OPS,
     Replicate,
+    Shard,
     fake_mode,
     fake_mode_of,
     is_symbolic,
@@ -42,6 +43,7 @@ from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
 from ..planner import plan_in_program, plan_is_even
 from ..planner.execute import MeshGroups, execute_plan
 from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
+from ..rules.experts import MOE_EXPERTS, MOE_EXPERTS_DISPATCH, MOE_EXPERTS_LOCAL, expert_blocks
 from ..rules.ops import GROUPED_MM_EXPERTS, GROUPED_MM_WEIGHT_GRAD, GROUPED_MM_WEIGHT_GRAD_EXPERTS
 from ..rules.own import is_grouped_mm
 
@@ -231,6 +233,8 @@ class _LocalInterpreter(fx.Interpreter):
             offs = args[2] if len(args) > 2 else kwargs["offs"]
             first = _index_tensor(_first_index(rec.input_specs[1], self.coord))
             return GROUPED_MM_EXPERTS(args[0], args[1], offs, first)
+        if n.target is MOE_EXPERTS:
+            return self._experts(n, rec)
         if n.target is GROUPED_MM_WEIGHT_GRAD and rec.spec.levels[0]:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             first = _index_tensor(_first_index(rec.spec, self.coord))
@@ -251,6 +255,23 @@ class _LocalInterpreter(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return n.target(*args, **{**kwargs, "device": self.device})
         return super().run_node(n)
+
+    def _experts(self, n: fx.Node, rec) -> object:
+        """An experts region (``rules.experts``): as it is, on this rank's rows, or with the
+        experts split on a mesh dim: this rank's pairs (tokens replicated there) or token dispatch
+        (tokens split there too)."""
+        args, _ = self.fetch_args_kwargs_from_env(n)
+        x, idx, w, params, key = args
+        pspec, xspec = rec.input_specs[3], rec.input_specs[0]
+        split = [m for m, p in enumerate(pspec.placements) if isinstance(p, Shard)]
+        if not split:
+            return MOE_EXPERTS(x, idx, w, params, key)
+        (m,) = split
+        if isinstance(xspec.placements[m], Shard):
+            starts = expert_blocks(pspec.shape[0], pspec.mesh.shape[m])
+            return MOE_EXPERTS_DISPATCH(x, idx, w, params, key, starts, self.groups[m])
+        first = _index_tensor(_first_index(pspec, self.coord))
+        return MOE_EXPERTS_LOCAL(x, idx, w, params, key, first)
 
     def _random(self, n: fx.Node, rec) -> object:
         """A random op with sharded outputs: draw the global tensor as the single-device program
@@ -507,7 +528,9 @@ def bind_groups(local: fx.GraphModule, groups: MeshGroups) -> fx.GraphModule:
     dim)."""
     out = copy.deepcopy(local)
     for n in out.graph.nodes:
-        if n.op == "call_function" and n.target in COLLECTIVE_OPS:
+        if n.op == "call_function" and (
+            n.target in COLLECTIVE_OPS or n.target is MOE_EXPERTS_DISPATCH
+        ):
             name = n.args[-1]
             if isinstance(name, str) and name.startswith("fxshard_mesh_dim_"):
                 n.args = (*n.args[:-1], groups[int(name.rsplit("_", 1)[1])])

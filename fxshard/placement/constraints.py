@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 from .._torch import StridedShard
 from ..capture.layers import layer_groups
 from ..core.mesh import MeshSpec
+from ..rules.experts import experts_module
 
 log = logging.getLogger("fxshard")
 
@@ -58,6 +59,9 @@ class PlanConstraints:
     auto: bool = False  # plan="auto": every placement not fixed here is chosen by the global solver
     # repeated layers (auto shares their decisions)
     blocks: list[list[str]] = field(default_factory=list)
+    # experts modules whose weights the plan splits by experts ({FQN: module}): a forward capture
+    # makes each one region (``capture.regions``: expert parallelism by token dispatch)
+    experts: dict = field(default_factory=dict)
 
 
 # transformers' tp_plan style strings (its ParallelInterface) as fxshard's placements.  fxshard runs
@@ -209,6 +213,9 @@ def resolve_plan(
                 )
             for f in named:
                 _apply_param_style(out, f, params[f], raw, f"{pattern}: {raw}")
+                owner = f.rpartition(".")[0]
+                if raw == "grouped_gemm" and experts_module(modules.get(owner)) is not None:
+                    out.experts[owner] = modules[owner]
             continue
         if not matches and hf_own:
             log.info("fxshard: %s's tp_plan entry %r matches nothing here", type(model).__name__,

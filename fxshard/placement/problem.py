@@ -243,11 +243,14 @@ def _local_nbytes(spec: ShardingSpec) -> tuple[int, ...]:
     return tuple(n * size for n in local_numels(spec))
 
 
-def shards_align(ins: Sequence) -> bool:
+def shards_align(node: fx.Node, ins: Sequence) -> bool:
     """Inputs split along the same tensor dim by the same mesh dim hold matching slices only where
     that dim has one size in all of them.  DTensor's gather rule shards an input and a shorter
     index alike on a dim that is not gathered (rows 0-3 of 12 against index rows 0-1 of 6): each
-    rank then gathers from rows its index does not address; such candidates are excluded."""
+    rank then gathers from rows its index does not address; such candidates are excluded.  An
+    experts region splits its tokens' rows and its experts, unrelated dims 0, by design."""
+    if node.target is rules.MOE_EXPERTS:
+        return True
     sizes: dict[tuple[int, int], int] = {}
     for s in ins:
         if not isinstance(s, ShardingSpec):
@@ -451,7 +454,7 @@ class PlacementProblem:
                 continue
             if specs is None or len(out_specs) != len(outs):
                 continue
-            if not runs_unevenly(node, specs, out_specs) or not shards_align(specs):
+            if not runs_unevenly(node, specs, out_specs) or not shards_align(node, specs):
                 continue
             if not reshapes_soundly(node, specs, out_specs):
                 continue
@@ -742,7 +745,23 @@ def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm: CostM
             ):
                 split *= mesh.shape[m]
     moved = sum(local_bytes(s) for s in (*in_specs, *out_specs) if isinstance(s, ShardingSpec))
-    return rec.flops / split / flops_us + moved / bytes_us
+    return rec.flops / split / flops_us + moved / bytes_us + _dispatch_us(node, in_specs, cm)
+
+
+def _dispatch_us(node: fx.Node, in_specs: Sequence, cm: CostModelLike) -> float:
+    """The all-to-alls inside an experts region that dispatches tokens (``rules.experts``): the
+    per-expert counts, then a rank's routed rows there and back."""
+    if node.target is not rules.MOE_EXPERTS or len(in_specs) < 4:
+        return 0.0
+    x, idx, params = in_specs[0], in_specs[1], in_specs[3]
+    for m, (a, b) in enumerate(zip(x.placements, params.placements)):
+        if isinstance(a, Shard) and isinstance(b, Shard):
+            rows = local_bytes(x) / max(x.shape[1] * x.dtype.itemsize, 1)
+            k = idx.shape[1]
+            pairs = rows * k * x.shape[1] * x.dtype.itemsize
+            counts = cm.collective("all_to_all", (m,), params.shape[0] * 8)
+            return counts + 2 * cm.collective("all_to_all", (m,), pairs)
+    return 0.0
 
 
 def modelled_cost(gm: fx.GraphModule, cost_model: CostModelLike) -> dict:

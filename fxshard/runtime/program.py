@@ -26,6 +26,7 @@ from ..passes.lower import (
 )
 from ..placement.problem import modelled_cost
 from ..planner.execute import group_names, mesh_coordinate
+from ..rules.experts import MOE_EXPERTS_DISPATCH
 from .agree import AgreementOptions
 from .simulate import SimulatedMesh
 
@@ -167,9 +168,17 @@ class ShardedProgram:
     def collectives(self) -> list[Collective]:
         """What the per-rank graph runs, in order: one entry per collective node, listing the
         planned collectives it ``carries`` (several where bucketing merged them; their bytes add up,
-        its cost is one collective of that size)."""
+        its cost is one collective of that size).  An experts region that dispatches tokens
+        (``rules.experts``) lists its three all-to-alls, with a rank's whole routed rows as their
+        input (how many leave the rank is known only when it runs)."""
         out = []
-        for n in collective_nodes(self.local_graph):
+        local = self.local_graph
+        ours = set(collective_nodes(local))
+        for n in local.graph.nodes:
+            if n.op == "call_function" and n.target is MOE_EXPERTS_DISPATCH:
+                out.extend(_dispatch_collectives(n, self.cost_model))
+            if n not in ours:
+                continue
             planned = info(n).carries
             if len(planned) == 1:
                 out.append(
@@ -422,6 +431,22 @@ class ShardedProgram:
         for c in self.planned_collectives():
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         return f"ShardedProgram(mesh={self.mesh.shape}, collectives={kinds})"
+
+
+def _dispatch_collectives(n: fx.Node, cost_model) -> list[Collective]:
+    """The all-to-alls of a token-dispatching experts region: per-expert counts, then a rank's
+    routed rows to their experts' ranks and the results back."""
+    x, idx, starts, group = n.args[0].meta["val"], n.args[1].meta["val"], n.args[5], n.args[-1]
+    m = int(group.rsplit("_", 1)[1]) if group.startswith("fxshard_mesh_dim_") else 0
+    pairs = int(x.shape[0] * idx.shape[1] * x.shape[1] * x.element_size())
+    counts = int(starts[-1]) * 8  # int64 per expert
+    why = f"experts region {n.name}: token dispatch ({{}}; how many rows leave: data dependent)"
+    steps = [("counts per expert", counts), ("rows to experts", pairs), ("results back", pairs)]
+    out = []
+    for what, b in steps:
+        cost = float(cost_model.collective("all_to_all", (m,), b))
+        out.append(Collective("all_to_all", (m,), b, cost, n.name, why.format(what), "dispatch"))
+    return out
 
 
 def _fields(c: Collective) -> tuple:
