@@ -1011,3 +1011,27 @@ def local_tensor_mode_class():
     from torch.distributed._local_tensor import LocalTensorMode
 
     return LocalTensorMode
+
+
+def autograd_vjp(fn: Callable, primals: Sequence[torch.Tensor], cotangent: torch.Tensor) -> tuple:
+    """(``fn(*primals)``, the primals' gradients for ``cotangent``) by autograd, also inside a
+    custom op's kernel (which runs with the autograd dispatch keys excluded: they are let back in
+    here).  A primal the output does not depend on gets zeros."""
+    D = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for k in (D.AutogradFunctionality, D.ADInplaceOrView):
+        exclude = exclude.remove(k)
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        leaves = [p.detach().requires_grad_() for p in primals]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, cotangent, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(primals, grads)]
+    return out.detach(), grads
+
+
+def global_module_hooks() -> list:
+    """The forward (pre-)hooks registered for every module (``register_module_forward_hook``)."""
+    from torch.nn.modules import module as m
+
+    return [*m._global_forward_pre_hooks.values(), *m._global_forward_hooks.values()]

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Replicate
 
 from .capture import Captured, capture_dynamo_graph, capture_forward, capture_joint
 from .capture.common import ModelSnapshot
-from .capture.regions import expert_regions
+from .capture.regions import expert_regions, region_forwards
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
@@ -122,12 +122,13 @@ def capture(
         plan, model if isinstance(model, nn.Module) else None, config.mesh, tp_dim
     )
     if training:
-        c = capture_joint(
-            model,
-            example_inputs,
-            boundaries=constraints.hooked,
-            reuse_layers=reuse_layers is not False,
-        )
+        with region_forwards(constraints.experts, config.mesh.shape):
+            c = capture_joint(
+                model,
+                example_inputs,
+                boundaries=constraints.hooked,
+                reuse_layers=reuse_layers is not False,
+            )
     else:
         c = capture_forward(model, example_inputs, boundaries=constraints.hooked)
     snapshot = ModelSnapshot.of(model) if isinstance(model, nn.Module) else None
@@ -145,7 +146,12 @@ def _form_regions(c: Captured) -> None:
     shape = c.config.mesh.shape
     done = expert_regions(c.gm, experts, shape)
     if c.symbolic is not None and done:
-        expert_regions(c.symbolic.gm, {f: experts[f] for f in done}, shape)
+        twin = expert_regions(c.symbolic.gm, {f: experts[f] for f in done}, shape)
+        if twin != done:  # the hinted graph stands for the symbolic one node for node
+            raise RuntimeError(
+                f"fxshard: experts regions {done} formed in the hinted graph but {twin} in the "
+                "symbolic one; pass dynamic=False (a program per size)"
+            )
 
 
 def _check_placements(mesh, input_placements, output_placements) -> None:
@@ -441,7 +447,15 @@ def shard_dynamo_graph(
     (state kept sharded between calls) rather than replicated.  ``dynamic``
     (``capture.symbolic.DynamicDims``): one program for every size of those dims."""
     c = capture_dynamo_graph(
-        gm, args, constraints.hooked, roots, sources, training=training, dynamic=dynamic
+        gm,
+        args,
+        constraints.hooked,
+        roots,
+        sources,
+        training=training,
+        dynamic=dynamic,
+        experts=constraints.experts,
+        mesh_shape=config.mesh.shape,
     )
     c = dataclasses.replace(c, config=config, constraints=constraints)
     _form_regions(c)

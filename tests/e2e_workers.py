@@ -966,4 +966,50 @@ def moe_expert_dispatch(rank, world):
         got = f(x).logits
     (p,) = compiled_programs(n0)
     out["ep_plan"] = (_rel(got, want), experts_ops(p.local_graph))
+    out["train"] = _dispatch_train(dm, experts_ops)
     return out
+
+
+def _dispatch_train(dm, experts_ops):
+    """A router + Mixtral's experts class, trained through ``fxshard.parallelize`` on a
+    batch-split DTensor: loss and gradients against single device, and the experts ops run."""
+    import copy
+
+    import transformers as T
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = T.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=3,
+                                  num_experts_per_tok=2)  # fmt: skip
+            self.gate = nn.Linear(16, 3, bias=False)
+            self.experts = MixtralExperts(cfg)
+
+        def forward(self, x):
+            w, idx = torch.topk(self.gate(x).softmax(-1), 2)
+            return self.experts(x, idx, w).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Loss()
+    with torch.no_grad():
+        for p in model.experts.parameters():
+            p.normal_(0, 0.2)
+    ref = copy.deepcopy(model)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(1))
+    want = ref(x)
+    want.backward()
+    plan = {f"experts.{p}": "grouped_gemm" for p in ("gate_up_proj", "down_proj")}
+    torch._dynamo.reset()
+    pm = fxshard.parallelize(model, dm, plan)
+    loss = pm(distribute_tensor(x, dm, [Shard(0)]))
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.backward()
+    errs = [_rel(loss.detach(), want.detach())]
+    for (_n, p), q in zip(pm.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errs.append(_rel(g, q.grad))
+    progs = [p for p, _ in pm._programs.values()]
+    ops = sorted({o for p in progs for o in experts_ops(p.local_graph)})
+    return max(errs), ops

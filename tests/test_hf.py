@@ -257,7 +257,11 @@ def test_expert_parallelism_with_the_models_ep_plan(name):
     assert all(c.bytes < shard for c in prog.collectives()), prog.explain()  # no weight moved
     model.train()
     ref.train()
+    n0 = programs_built()
     _train_and_compare(model, ref, plan, x, labels)
+    # the experts regions train too: each rank's pairs forward and backward
+    local = {str(n.target) for p in compiled_programs(n0) for n in p.local_graph.graph.nodes}
+    assert "fxshard.moe_experts_local_backward.default" in local
 
 
 def test_parameter_entries_need_tp_plan_strings():
@@ -330,56 +334,184 @@ def test_the_ep_plan_costs_one_all_reduce_per_moe_layer(name):
         _close(prog.simulate(x), wrapped(x))
 
 
-class _NormalizedExperts(torch.nn.Module):
-    """The experts signature, but each expert's output normalised over the tokens (no per-pair
-    contract: a subset of the tokens gives other values)."""
+def _experts_block(kind, experts=4, hidden=16, inter=32, seed=0):
+    """A router and a transformers experts module (Mixtral's or Qwen3-MoE's class), top 2."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    def __init__(self, e=4, h=8):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if kind == "mixtral":
+                cfg = T.MixtralConfig(hidden_size=hidden, intermediate_size=inter,
+                                      num_local_experts=experts, num_experts_per_tok=2)  # fmt: skip
+                self.experts = MixtralExperts(cfg)
+            else:
+                cfg = T.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter,
+                                       num_experts=experts, num_experts_per_tok=2)  # fmt: skip
+                self.experts = Qwen3MoeExperts(cfg)
+            self.gate = torch.nn.Linear(hidden, experts, bias=False)
+
+        def forward(self, x):
+            w, idx = torch.topk(self.gate(x).softmax(-1), 2)
+            return self.experts(x, idx, w / w.sum(-1, keepdim=True))
+
+    torch.manual_seed(seed)
+    block = Block()
+    with torch.no_grad():
+        for p in block.experts.parameters():
+            p.normal_(0, 0.2)
+    return block
+
+
+EXPERTS_PLAN = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm"}
+
+
+@pytest.mark.parametrize(
+    "kind,experts,tokens", [("mixtral", 4, 32), ("qwen3_moe", 7, 30), ("mixtral", 8, 13)]
+)
+def test_token_dispatch_trains(kind, experts, tokens):
+    """Training with tokens split by rows and experts by experts (data parallel + expert
+    parallel, torchtitan's layout; uneven tokens and expert blocks too): the forward dispatches
+    tokens by all-to-all, the backward sends the rows and their gradients to the experts' ranks
+    and the gradients back; the output and every gradient equal single device's, and the only
+    other collective is the router's data-parallel gradient all-reduce."""
+    import collections
+
+    from torch.distributed.tensor import Shard
+
+    model = _experts_block(kind, experts)
+    ref = copy.deepcopy(model)
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1))
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    want.backward(torch.ones_like(want))
+    rows = [(Shard(0),)]
+    prog = fxshard.shard(model, MESH, EXPERTS_PLAN, example_inputs=(x.requires_grad_(),),
+                         input_placements=rows, output_placements=rows, training=True)  # fmt: skip
+    local = collections.Counter(str(n.target) for n in prog.local_graph.graph.nodes)
+    assert local["fxshard.moe_experts_dispatch.default"] == 1
+    assert local["fxshard.moe_experts_dispatch_backward.default"] == 1
+    kinds = collections.Counter((c.kind, c.phase) for c in prog.collectives())
+    assert kinds == {("all_to_all", "forward"): 3, ("all_to_all", "backward"): 5,
+                     ("all_reduce", "backward"): 1}, prog.explain()  # fmt: skip
+    out, grads = prog.simulate(x.detach(), grad_outputs=[torch.ones(tokens, 16)])
+    _close(out, want.detach())
+    _close(grads["input:0"], xr.grad)
+    for n, p in ref.named_parameters():
+        _close(grads[n], p.grad, msg=n)
+
+
+def test_token_dispatch_within_one_mesh_dim_of_two():
+    """A (dp, ep) mesh, tokens split over both, experts over ep: the dispatch runs within each ep
+    group (its all-to-alls on mesh dim 1 only), the experts' gradients are summed over dp, and
+    training equals single device."""
+    import collections
+
+    from torch.distributed.tensor import Shard
+
+    model = _experts_block("qwen3_moe", 6)
+    ref = copy.deepcopy(model)
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(2))
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    want.backward(torch.ones_like(want))
+    rows = [(Shard(0), Shard(0))]
+    mesh = fxshard.MeshSpec((2, 2), ("dp", "ep"))
+    prog = fxshard.shard(model, mesh, EXPERTS_PLAN, example_inputs=(x.requires_grad_(),),
+                         input_placements=rows, output_placements=rows, training=True,
+                         tp_dim="ep")  # fmt: skip
+    a2a = collections.Counter(c.mesh_dims for c in prog.collectives() if c.kind == "all_to_all")
+    assert a2a == {(1,): 8}, prog.explain()
+    out, grads = prog.simulate(x.detach(), grad_outputs=[torch.ones(24, 16)])
+    _close(out, want.detach())
+    _close(grads["input:0"], xr.grad)
+    for n, p in ref.named_parameters():
+        _close(grads[n], p.grad, msg=n)
+
+
+class _OddExperts(torch.nn.Module):
+    """The experts signature, and a way each breaks the contract a region rests on: ``mix``
+    normalises an expert's outputs over the tokens (a subset of them gives other values),
+    ``by_expert`` over each expert's own tokens (the pairs of a block agree, halves of the tokens
+    do not), ``detach`` stops the routing weights' gradient (the forward is the plain one)."""
+
+    def __init__(self, how, e=4, h=8):
         super().__init__()
-        self.num_experts = e
+        self.how, self.num_experts = how, e
         self.weight = torch.nn.Parameter(torch.randn(e, h, h))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
+        w = top_k_weights.detach() if self.how == "detach" else top_k_weights
         for j in range(top_k_index.shape[1]):
             y = torch.einsum("th,thg->tg", hidden_states, self.weight[top_k_index[:, j]])
-            out = out + top_k_weights[:, j, None] * (y - y.mean(0))
+            if self.how == "mix":
+                y = y - y.mean(0)
+            elif self.how == "by_expert":
+                onehot = torch.nn.functional.one_hot(top_k_index[:, j], self.num_experts).float()
+                mean = (onehot.T @ y) / onehot.sum(0).clamp_min(1)[:, None]
+                y = y - onehot @ mean
+            out = out + w[:, j, None] * y
         return out
 
 
 class _Router(torch.nn.Module):
-    def __init__(self, e=4, h=8):
+    def __init__(self, experts):
         super().__init__()
-        self.gate = torch.nn.Linear(h, e, bias=False)
-        self.experts = _NormalizedExperts(e, h)
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = experts
 
     def forward(self, x):
         w, idx = torch.topk(self.gate(x).softmax(-1), 2)
         return self.experts(x, idx, w)
 
 
-def test_an_experts_module_without_the_per_pair_contract_keeps_its_body(caplog):
-    """A module with the experts signature whose output mixes tokens fails the probe: it is no
-    region (logged why), its traced body is sharded op by op, and the result is single
-    device's."""
+@pytest.mark.parametrize(
+    "how,why",
+    [("mix", "not independent"), ("by_expert", "not independent"),
+     ("detach", "routing weights' gradient"), ("hook", "forward hooks")],
+)  # fmt: skip
+def test_an_experts_module_outside_the_contract_keeps_its_body(how, why, caplog):
+    """A module with the experts signature that breaks the region's contract (tokens that
+    depend on each other, a routing weight without its gradient, a forward hook the region would
+    skip) fails the probe: it is no region (logged why), its traced body is sharded op by op, and
+    forward and training equal single device."""
     import logging
 
+    from torch.distributed.tensor import Shard
+
     torch.manual_seed(0)
-    model = _Router()
+    experts = _OddExperts("plain" if how == "hook" else how)
+    if how == "hook":
+        experts.register_forward_hook(lambda m, args, out: out * 2)
+    model = _Router(experts)
     x = torch.randn(16, 8)
+    rows = [(Shard(0),)]
     with caplog.at_level(logging.INFO, logger="fxshard.regions"):
-        prog = fxshard.shard(model, MESH, {"experts.weight": "grouped_gemm"}, example_inputs=(x,))
-    assert not _experts_nodes(prog)
-    assert "do not add up" in caplog.text
+        prog = fxshard.shard(model, MESH, {"experts.weight": "grouped_gemm"}, example_inputs=(x,),
+                             input_placements=rows, output_placements=rows)  # fmt: skip
+        train = fxshard.shard(model, MESH, {"experts.weight": "grouped_gemm"},
+                              example_inputs=(x,), training=True)  # fmt: skip
+    assert not _experts_nodes(prog) and not _experts_nodes(train)
+    assert why in caplog.text
     with torch.no_grad():
         _close(prog.simulate(x), model(x))
+    ref = copy.deepcopy(model)
+    want = ref(x)
+    want.backward(torch.ones_like(want))
+    out, grads = train.simulate(x, grad_outputs=[torch.ones(16, 8)])
+    _close(out, want.detach())
+    for n, p in ref.named_parameters():
+        _close(grads[n], p.grad, msg=n)
 
 
 @pytest.mark.slow
 def test_expert_dispatch_on_gloo_ranks():
-    """The dispatch op's all-to-alls on real process groups (2 gloo ranks, 3 experts: uneven
-    blocks), compiled by Inductor, and the EP plan through torch.compile: single device's
-    logits."""
+    """The dispatch ops' all-to-alls on real process groups (2 gloo ranks, 3 experts: uneven
+    blocks), compiled by Inductor: a Mixtral's logits with a batch-split input, its EP plan through
+    torch.compile, and a training step through torch.compile on a batch-split DTensor (loss and
+    gradients), each equal to single device."""
     import e2e_workers
 
     from fxshard.runtime.launch import spawn
@@ -389,3 +521,30 @@ def test_expert_dispatch_on_gloo_ranks():
         assert err < 1e-5 and ops == ["fxshard.moe_experts_dispatch.default"], r
         err, ops = r["ep_plan"]
         assert err < 1e-5 and ops == ["fxshard.moe_experts_local.default"], r
+        err, ops = r["train"]
+        assert err < 1e-5, r
+        assert ops == ["fxshard.moe_experts_dispatch.default",
+                       "fxshard.moe_experts_dispatch_backward.default"], r  # fmt: skip
+
+
+def test_token_dispatch_drops_pairs_routed_to_no_expert():
+    """An expert id outside 0 .. E-1 (transformers' EP sentinel) routes its pair nowhere, as the
+    module itself drops it: every rank sends the same number of all-to-alls (an id a rank could
+    not place would leave the others waiting), and the result is the module's."""
+    from fxshard.rules import experts as X
+
+    block = _experts_block("mixtral", 4)
+    block.experts.config._experts_implementation = "grouped_mm"  # (it handles the sentinel)
+    key = X.register(block.experts, "experts")
+    params = [getattr(block.experts, n).detach() for n in X.region(key).names]
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(12, 16, generator=g), torch.rand(12, 2, generator=g)
+    idx = torch.randint(0, 4, (12, 2), generator=g)
+    idx[::3, 1] = 4  # the sentinel
+    starts = X.expert_blocks(4, 2)
+    ranks = {r: (idx[6 * r : 6 * r + 6], x[6 * r : 6 * r + 6], w[6 * r : 6 * r + 6],
+                 [p[starts[r] : starts[r + 1]] for p in params]) for r in range(2)}  # fmt: skip
+    got = X._dispatch(ranks, X._Exchange(2), key, starts)
+    with torch.no_grad():
+        want = block.experts(x, idx, w)
+    _close(torch.cat([got[0], got[1]]), want)

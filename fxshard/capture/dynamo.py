@@ -44,6 +44,7 @@ from .common import (
     source_root,
 )
 from .joint import capture_joint
+from .regions import expert_regions
 from .symbolic import DynamicDims, SymbolicGraph, hinted
 
 _SOURCE_PART = re.compile(
@@ -202,6 +203,8 @@ def capture_dynamo_graph(
     sources: Sequence[str | None] | None = None,
     training: bool = False,
     dynamic: DynamicDims | None = None,
+    experts: dict | None = None,
+    mesh_shape: Sequence[int] = (),
 ) -> Captured:
     """A dynamo graph + this call's concrete arguments -> a Captured ATen graph (``training``: the
     joint forward+backward graph, parameters' gradients as gradients of those inputs).
@@ -211,7 +214,8 @@ def capture_dynamo_graph(
     ``Captured.symbolic`` the symbolic graph.
     Placeholders become parameters / buffers (by their dynamo source, e.g.
     ``L['self']._modules['fc1']._parameters ['weight']`` -> ``fc1.weight``) or user inputs; SymInt
-    arguments are baked in as their values."""
+    arguments are baked in as their values.  ``experts`` ({FQN: module}; training): experts
+    modules made one region op before AOT traces (``capture.regions``)."""
     sources = list(sources) if sources is not None else dynamo_sources(gm)
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -228,6 +232,18 @@ def capture_dynamo_graph(
     _bake_python_scalars(gm, placeholders, args)
     if boundaries:
         _insert_dynamo_boundaries(gm, boundaries, own, roots)
+    if training and experts:
+        # experts regions before AOT traces the joint graph (the region op's backward is its own)
+        def members(fqn):
+            return [
+                n
+                for n in gm.graph.nodes
+                if n.op in ("call_function", "call_method", "call_module")
+                and n.target is not BOUNDARY
+                and fqn in _module_path(n, roots)
+            ]
+
+        expert_regions(gm, experts, mesh_shape, members, fqn_of.get, "example_value")
     # symbolic captures: a Python int dynamo made dynamic that is no tensor's size comes in as a
     # tensor of that length (its size carrier: the program reads the number from its shape)
     carriers = set(dynamic.free) if dynamic is not None and not training else set()

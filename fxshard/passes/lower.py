@@ -43,7 +43,13 @@ from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
 from ..planner import plan_in_program, plan_is_even
 from ..planner.execute import MeshGroups, execute_plan
 from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
-from ..rules.experts import MOE_EXPERTS, MOE_EXPERTS_DISPATCH, MOE_EXPERTS_LOCAL, expert_blocks
+from ..rules.experts import (
+    MOE_EXPERTS_BACKWARD,
+    MOE_EXPERTS_DISPATCH,
+    MOE_EXPERTS_DISPATCH_BACKWARD,
+    VARIANTS,
+    expert_blocks,
+)
 from ..rules.ops import GROUPED_MM_EXPERTS, GROUPED_MM_WEIGHT_GRAD, GROUPED_MM_WEIGHT_GRAD_EXPERTS
 from ..rules.own import is_grouped_mm
 
@@ -233,7 +239,7 @@ class _LocalInterpreter(fx.Interpreter):
             offs = args[2] if len(args) > 2 else kwargs["offs"]
             first = _index_tensor(_first_index(rec.input_specs[1], self.coord))
             return GROUPED_MM_EXPERTS(args[0], args[1], offs, first)
-        if n.target is MOE_EXPERTS:
+        if n.target in VARIANTS:
             return self._experts(n, rec)
         if n.target is GROUPED_MM_WEIGHT_GRAD and rec.spec.levels[0]:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -257,21 +263,21 @@ class _LocalInterpreter(fx.Interpreter):
         return super().run_node(n)
 
     def _experts(self, n: fx.Node, rec) -> object:
-        """An experts region (``rules.experts``): as it is, on this rank's rows, or with the
-        experts split on a mesh dim: this rank's pairs (tokens replicated there) or token dispatch
-        (tokens split there too)."""
+        """An experts region op (``rules.experts``; forward or backward): as it is, on this rank's
+        rows, or with the experts split on a mesh dim: this rank's pairs (tokens replicated
+        there) or token dispatch (tokens split there too)."""
         args, _ = self.fetch_args_kwargs_from_env(n)
-        x, idx, w, params, key = args
-        pspec, xspec = rec.input_specs[3], rec.input_specs[0]
+        whole, local, dispatch = VARIANTS[n.target]
+        n_tok = 4 if n.target is MOE_EXPERTS_BACKWARD else 3
+        xspec, pspec = rec.input_specs[n_tok - 3], rec.input_specs[n_tok]
         split = [m for m, p in enumerate(pspec.placements) if isinstance(p, Shard)]
         if not split:
-            return MOE_EXPERTS(x, idx, w, params, key)
+            return whole(*args)
         (m,) = split
         if isinstance(xspec.placements[m], Shard):
             starts = expert_blocks(pspec.shape[0], pspec.mesh.shape[m])
-            return MOE_EXPERTS_DISPATCH(x, idx, w, params, key, starts, self.groups[m])
-        first = _index_tensor(_first_index(pspec, self.coord))
-        return MOE_EXPERTS_LOCAL(x, idx, w, params, key, first)
+            return dispatch(*args, starts, self.groups[m])
+        return local(*args, _index_tensor(_first_index(pspec, self.coord)))
 
     def _random(self, n: fx.Node, rec) -> object:
         """A random op with sharded outputs: draw the global tensor as the single-device program
@@ -529,7 +535,8 @@ def bind_groups(local: fx.GraphModule, groups: MeshGroups) -> fx.GraphModule:
     out = copy.deepcopy(local)
     for n in out.graph.nodes:
         if n.op == "call_function" and (
-            n.target in COLLECTIVE_OPS or n.target is MOE_EXPERTS_DISPATCH
+            n.target in COLLECTIVE_OPS
+            or n.target in (MOE_EXPERTS_DISPATCH, MOE_EXPERTS_DISPATCH_BACKWARD)
         ):
             name = n.args[-1]
             if isinstance(name, str) and name.startswith("fxshard_mesh_dim_"):

@@ -249,7 +249,7 @@ def shards_align(node: fx.Node, ins: Sequence) -> bool:
     index alike on a dim that is not gathered (rows 0-3 of 12 against index rows 0-1 of 6): each
     rank then gathers from rows its index does not address; such candidates are excluded.  An
     experts region splits its tokens' rows and its experts, unrelated dims 0, by design."""
-    if node.target is rules.MOE_EXPERTS:
+    if node.target in rules.VARIANTS:
         return True
     sizes: dict[tuple[int, int], int] = {}
     for s in ins:
@@ -749,18 +749,20 @@ def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm: CostM
 
 
 def _dispatch_us(node: fx.Node, in_specs: Sequence, cm: CostModelLike) -> float:
-    """The all-to-alls inside an experts region that dispatches tokens (``rules.experts``): the
-    per-expert counts, then a rank's routed rows there and back."""
-    if node.target is not rules.MOE_EXPERTS or len(in_specs) < 4:
+    """The all-to-alls inside an experts region that dispatches tokens (``rules.experts``)."""
+    if node.target not in rules.VARIANTS:
         return 0.0
-    x, idx, params = in_specs[0], in_specs[1], in_specs[3]
+    backward = node.target is rules.MOE_EXPERTS_BACKWARD
+    n_tok = 4 if backward else 3
+    x, idx, w, params = in_specs[n_tok - 3 : n_tok + 1]
     for m, (a, b) in enumerate(zip(x.placements, params.placements)):
         if isinstance(a, Shard) and isinstance(b, Shard):
-            rows = local_bytes(x) / max(x.shape[1] * x.dtype.itemsize, 1)
-            k = idx.shape[1]
-            pairs = rows * k * x.shape[1] * x.dtype.itemsize
-            counts = cm.collective("all_to_all", (m,), params.shape[0] * 8)
-            return counts + 2 * cm.collective("all_to_all", (m,), pairs)
+            first = (0,) * len(x.placements)  # the largest shard (torch.chunk's layout)
+            local = [
+                torch.empty(s.local_shape(first), dtype=s.dtype, device="meta") for s in (x, idx, w)
+            ]
+            steps = rules.dispatch_steps(backward, *local, params.shape[0])
+            return sum(cm.collective("all_to_all", (m,), b) for _, b in steps)
     return 0.0
 
 

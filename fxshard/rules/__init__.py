@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from .dims import normalize_dims
 from .dtensor import dtensor_candidates, has_single_dim_rule, single_dim_rule_count
 from .excluded import drop_excluded
-from .experts import MOE_EXPERTS, experts_candidates
+from .experts import MOE_EXPERTS_BACKWARD, VARIANTS, dispatch_steps, experts_candidates
 from .ops import stand_ins
 from .own import (
     BATCH_OPS,
@@ -136,8 +136,8 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         return grouped_mm_candidates(op, args, kwargs, device_mesh, input_placements)
     if is_grouped_mm_weight_grad(op):
         return grouped_mm_weight_grad_candidates(args, kwargs, device_mesh, input_placements)
-    if op == MOE_EXPERTS:
-        return experts_candidates(args, device_mesh)
+    if op in VARIANTS:
+        return experts_candidates(op, args, device_mesh)
     if op in VALUE_RANDOM_OPS or op in VALUE_CHECK_OPS or _empty_tensor(args, kwargs):
         # every rank draws the global result; an empty tensor is nothing to split (and DTensor's
         # view rule loops forever on some zero-size shapes)
@@ -218,7 +218,10 @@ _MESHES: dict = {}  # cache: mesh shape -> planning DeviceMesh (no process group
 
 
 __all__ = [
+    "MOE_EXPERTS_BACKWARD",
+    "VARIANTS",
     "candidates",
+    "dispatch_steps",
     "stand_ins",
     "rules_mesh",
     "register_rule",

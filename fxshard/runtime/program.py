@@ -26,7 +26,11 @@ from ..passes.lower import (
 )
 from ..placement.problem import modelled_cost
 from ..planner.execute import group_names, mesh_coordinate
-from ..rules.experts import MOE_EXPERTS_DISPATCH
+from ..rules.experts import (
+    MOE_EXPERTS_DISPATCH,
+    MOE_EXPERTS_DISPATCH_BACKWARD,
+    dispatch_steps,
+)
 from .agree import AgreementOptions
 from .simulate import SimulatedMesh
 
@@ -175,7 +179,10 @@ class ShardedProgram:
         local = self.local_graph
         ours = set(collective_nodes(local))
         for n in local.graph.nodes:
-            if n.op == "call_function" and n.target is MOE_EXPERTS_DISPATCH:
+            if n.op == "call_function" and n.target in (
+                MOE_EXPERTS_DISPATCH,
+                MOE_EXPERTS_DISPATCH_BACKWARD,
+            ):
                 out.extend(_dispatch_collectives(n, self.cost_model))
             if n not in ours:
                 continue
@@ -434,18 +441,17 @@ class ShardedProgram:
 
 
 def _dispatch_collectives(n: fx.Node, cost_model) -> list[Collective]:
-    """The all-to-alls of a token-dispatching experts region: per-expert counts, then a rank's
-    routed rows to their experts' ranks and the results back."""
-    x, idx, starts, group = n.args[0].meta["val"], n.args[1].meta["val"], n.args[5], n.args[-1]
+    """The all-to-alls of a token-dispatching experts region (forward or backward)."""
+    backward = n.target is MOE_EXPERTS_DISPATCH_BACKWARD
+    x, idx, w = (a.meta["val"] for a in n.args[int(backward) : int(backward) + 3])
+    starts, group = n.args[-2], n.args[-1]
     m = int(group.rsplit("_", 1)[1]) if group.startswith("fxshard_mesh_dim_") else 0
-    pairs = int(x.shape[0] * idx.shape[1] * x.shape[1] * x.element_size())
-    counts = int(starts[-1]) * 8  # int64 per expert
-    why = f"experts region {n.name}: token dispatch ({{}}; how many rows leave: data dependent)"
-    steps = [("counts per expert", counts), ("rows to experts", pairs), ("results back", pairs)]
     out = []
-    for what, b in steps:
+    for what, b in dispatch_steps(backward, x, idx, w, int(starts[-1])):
         cost = float(cost_model.collective("all_to_all", (m,), b))
-        out.append(Collective("all_to_all", (m,), b, cost, n.name, why.format(what), "dispatch"))
+        why = f"experts region {n.name}: token dispatch ({what}; rows leaving: data dependent)"
+        out.append(Collective("all_to_all", (m,), b, cost, n.name, why, "dispatch",
+                              "backward" if backward else "forward"))  # fmt: skip
     return out
 
 
