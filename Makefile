@@ -10,10 +10,13 @@ venv: .venv/.done
 	$(PIP) install -q -e ".[test]"
 	touch $@
 
+# The single-process tests run on every core (pytest-xdist); the multi-process (gloo) ones, marked
+# slow, after them one at a time: each already runs a process per rank.
 test: venv chromium
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x -n auto -m "not slow" tests
+	$(PY) -m pytest -q -x -m slow tests
 
 # The HTML plan test renders in headless Chromium; install it where we can (root + apt), else the
 # test skips with a message.

@@ -24,6 +24,7 @@ Ratios are fxshard / HF. On 2 cores
 the ranks share the CPUs: quote medians and ratios.
 
     python benchmarks/hf.py [--ranks 4] [--archs llama,qwen3,...] [--batch 4] [--seq 64]
+                            [--forward-only]
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Stamps:
         return statistics.median(gaps) if gaps else float("nan")
 
 
-def worker(rank, world, archs, batch, seq, tokens, repeats):
+def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
@@ -141,7 +142,7 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                     t = time.perf_counter()
                     m(x, use_cache=False)
                     times[label].append(time.perf_counter() - t)
-            for label, cache in [(v, c) for c in CACHES for v in variants]:
+            for label, cache in [(v, c) for c in CACHES for v in variants if generate]:
                 gen_kw = gen_kws[cache]
                 # each variant's graphs on their own: they share the model's code objects, whose
                 # dynamo cache entries (at most 8 each) would otherwise run out
@@ -179,8 +180,6 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                 got_tokens = model.generate(prompt, streamer=stamps, **gen_kw)
                 gen_s = time.perf_counter() - t
                 r = row.setdefault(label, {})
-                if cache == CACHES[0]:
-                    r["step_ms"] = 1e3 * statistics.median(times[label])
                 r[cache] = dict(
                     same=same[label] and bool(torch.equal(got_tokens, want_tokens[cache])),
                     tokens_s=batch * tokens / gen_s,
@@ -189,6 +188,9 @@ def worker(rank, world, archs, batch, seq, tokens, repeats):
                     decode_bytes=decode[1],
                     programs=programs,
                 )
+        for label in variants:
+            row.setdefault(label, {})["step_ms"] = 1e3 * statistics.median(times[label])
+            row[label]["same"] = same[label]
         row[HF]["calls"] = hf_calls
         row[FX]["calls"] = fx_calls
         out[name] = row
@@ -203,13 +205,13 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--forward-only", action="store_true", help="no generate() tables")
     args = ap.parse_args()
     from fxshard.runtime.launch import spawn
 
     archs = args.archs.split(",")
-    per_rank = spawn(
-        args.ranks, worker, archs, args.batch, args.seq, args.tokens, args.repeats, timeout=3000
-    )
+    per_rank = spawn(args.ranks, worker, archs, args.batch, args.seq, args.tokens, args.repeats,
+                     not args.forward_only, timeout=3000)  # fmt: skip
     hf, fx = HF, FX
 
     def med(name, label, key, cache=None):
@@ -229,14 +231,14 @@ def main():
     )
     for name in archs:
         r0 = per_rank[0][name]
-        same = [all(r[name][k]["dynamic"]["same"] for r in per_rank) for k in (hf, fx)]
+        same = [all(r[name][k]["same"] for r in per_rank) for k in (hf, fx)]
         print(
             f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} "
             f"{med(name, hf, 'step_ms'):10.1f} {med(name, fx, 'step_ms'):10.1f} "
             f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
             f"{str(same[0]):>5}/{str(same[1]):<5}"
         )
-    for cache in CACHES:
+    for cache in CACHES if not args.forward_only else ():
         print()
         print(
             f"generate, {cache} cache: per variant (HF TP + torch.compile | fxshard): tok/s, "

@@ -372,6 +372,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -394,6 +395,10 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
             table = select_decomp_table()
             decomposed = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*fakes)
         with tracing(TracingContext(fm)):
+            # what torch.compile runs on an inference graph before compile_fx_inner: Inductor's
+            # joint-graph passes (no-op removal, uniform-value folding, its early patterns)
+            device = next((t.device for t in fakes if isinstance(t, torch.Tensor)), None)
+            decomposed = joint_graph_passes(decomposed, device)
             compiled = compile_fx_inner(decomposed, fakes)
 
     def run(*args):

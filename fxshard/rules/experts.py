@@ -157,8 +157,10 @@ def register(module: nn.Module, fqn: str) -> str:
     if names is None:
         raise ValueError(f"{fqn}: not an experts module")
     e = module.num_experts
+    # the expert count as the module holds it (num_experts, n_routed_experts, ...): a rank's view
+    # says its block's size there (another int that happens to equal it is left alone)
     attrs = tuple(
-        a for a, v in vars(module).items() if type(v) is int and v == e and not a.startswith("_")
+        a for a, v in vars(module).items() if type(v) is int and v == e and "expert" in a.lower()
     )
     _REGIONS[key] = Region(weakref.ref(module), fqn, names, e, attrs)
     return key
