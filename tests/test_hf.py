@@ -375,7 +375,7 @@ def test_token_dispatch_trains(kind, experts, tokens):
     parallel, torchtitan's layout; uneven tokens and expert blocks too): the forward dispatches
     tokens by all-to-all, the backward sends the rows and their gradients to the experts' ranks
     and the gradients back; the output and every gradient equal single device's, and the only
-    other collective is the router's data-parallel gradient all-reduce."""
+    collectives move the router's gradient (and nothing of the tokens or experts)."""
     import collections
 
     from torch.distributed.tensor import Shard
@@ -393,8 +393,12 @@ def test_token_dispatch_trains(kind, experts, tokens):
     assert local["fxshard.moe_experts_dispatch.default"] == 1
     assert local["fxshard.moe_experts_dispatch_backward.default"] == 1
     kinds = collections.Counter((c.kind, c.phase) for c in prog.collectives())
-    assert kinds == {("all_to_all", "forward"): 3, ("all_to_all", "backward"): 5,
-                     ("all_reduce", "backward"): 1}, prog.explain()  # fmt: skip
+    assert kinds[("all_to_all", "forward")] == 3, prog.explain()
+    assert kinds[("all_to_all", "backward")] == 5, prog.explain()
+    # besides: the router's gradient all-reduce, and on torch 2.11, whose scatter rule has no
+    # batch strategy, a gather of the [T, 2] routing weights; never the [T, 16] tokens
+    others = sum(c.bytes for c in prog.collectives() if c.kind != "all_to_all")
+    assert others <= model.gate.weight.numel() * 4 + tokens * 8, prog.explain()
     out, grads = prog.simulate(x.detach(), grad_outputs=[torch.ones(tokens, 16)])
     _close(out, want.detach())
     _close(grads["input:0"], xr.grad)
