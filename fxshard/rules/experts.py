@@ -186,6 +186,21 @@ def _rows(key: str, params, rows, ids, dtype, count: int) -> torch.Tensor:
     return _call(key, params, rows, ids[:, None], ones, count)
 
 
+def _block_pairs(idx: torch.Tensor, first: int, count: int) -> tuple:
+    """(the flattened pairs routed to experts ``first .. first + count - 1``, their local ids)."""
+    flat = idx.reshape(-1)
+    order = torch.nonzero((flat >= first) & (flat < first + count)).reshape(-1)
+    return order, flat[order] - first
+
+
+def _scattered_grads(x, idx, w, order, d_rows, d_wp) -> tuple:
+    """The tokens' and routing weights' gradients from per-pair ones (pairs in ``order``)."""
+    dx = torch.zeros_like(x).index_add_(0, order // idx.shape[1], d_rows.to(x.dtype))
+    dw = torch.zeros_like(w).reshape(-1)
+    dw[order] = d_wp.to(w.dtype)
+    return dx, dw.reshape(w.shape)
+
+
 def _combine(x, idx, w, order, y) -> torch.Tensor:
     """out[t] = sum over t's pairs of w * y, y's rows in ``order`` (of the flattened pairs)."""
     k = idx.shape[1]
@@ -269,11 +284,8 @@ def moe_experts_local(
     """The pairs routed to experts ``first .. first + count - 1`` (``params``: their block); zero
     for every other: the ranks' results add up to the module's."""
     count = params[0].shape[0]
-    f = int(first)
-    flat = idx.reshape(-1)
-    order = torch.nonzero((flat >= f) & (flat < f + count)).reshape(-1)
-    k = idx.shape[1]
-    y = _rows(key, params, x[order // k], flat[order] - f, w.dtype, count)
+    order, ids = _block_pairs(idx, int(first), count)
+    y = _rows(key, params, x[order // idx.shape[1]], ids, w.dtype, count)
     return _combine(x, idx, w, order, y)
 
 
@@ -295,18 +307,12 @@ def moe_experts_local_backward(
     """``moe_experts_local``'s gradients: x's and w's from this rank's pairs (zero elsewhere:
     they add up over the ranks), this rank's experts' whole."""
     count = params[0].shape[0]
-    f = int(first)
-    k = idx.shape[1]
-    flat = idx.reshape(-1)
-    order = torch.nonzero((flat >= f) & (flat < f + count)).reshape(-1)
-    tok = order // k
+    order, ids = _block_pairs(idx, int(first), count)
+    tok = order // idx.shape[1]
     d_rows, d_wp, d_params = _pair_grads(
-        key, params, x[tok], flat[order] - f, g[tok], w.reshape(-1)[order], count
+        key, params, x[tok], ids, g[tok], w.reshape(-1)[order], count
     )
-    dx = torch.zeros_like(x).index_add_(0, tok, d_rows.to(x.dtype))
-    dw = torch.zeros_like(w).reshape(-1)
-    dw[order] = d_wp
-    return [dx, dw.reshape(w.shape), *d_params]
+    return [*_scattered_grads(x, idx, w, order, d_rows, d_wp), *d_params]
 
 
 @moe_experts_local_backward.register_fake
@@ -441,10 +447,7 @@ def _dispatch_backward(ranks: dict, ex: _Exchange, key: str, starts: list[int]) 
     result = {}
     for r, (idx, x, w, _, _) in ranks.items():
         order = route[r][0]
-        dx = torch.zeros_like(x).index_add_(0, order // idx.shape[1], back_x[r].to(x.dtype))
-        dw = torch.zeros_like(w).reshape(-1)
-        dw[order] = back_w[r]
-        result[r] = [dx, dw.reshape(w.shape), *out[r]]
+        result[r] = [*_scattered_grads(x, idx, w, order, back_x[r], back_w[r]), *out[r]]
     return result
 
 
