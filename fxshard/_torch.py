@@ -394,7 +394,11 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
         with fm:
             table = select_decomp_table()
             decomposed = make_fx(gm, decomposition_table=table, tracing_mode="fake")(*fakes)
-        with tracing(TracingContext(fm)):
+        # torch.compile runs both under the graph's fake mode (AOTAutograd enters it): the
+        # joint-graph patterns retrace their replacements in "real" mode, and a replacement that
+        # makes a tensor (scatter_upon_const_tensor's arange, hit by every cross-entropy backward)
+        # must make it in that mode, next to the graph's fake values
+        with tracing(TracingContext(fm)), fm:
             # what torch.compile runs on an inference graph before compile_fx_inner: Inductor's
             # joint-graph passes (no-op removal, uniform-value folding, its early patterns)
             device = next((t.device for t in fakes if isinstance(t, torch.Tensor)), None)

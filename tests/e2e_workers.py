@@ -1013,3 +1013,124 @@ def _dispatch_train(dm, experts_ops):
     progs = [p for p, _ in pm._programs.values()]
     ops = sorted({o for p in progs for o in experts_ops(p.local_graph)})
     return max(errs), ops
+
+
+# ---- training as users train (tests/test_user_paths.py) ------------------------------------------
+class WithLoss(nn.Module):
+    """A language model and its loss in one module: the loss is inside the compiled graph (its
+    backward, e.g. cross-entropy's scatter, is in the per-rank backward program)."""
+
+    def __init__(self, model, loss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, x, y):
+        return loss_of(self.loss, self.model(x), y)
+
+
+def loss_of(kind, logits, y):
+    logits = logits.float()
+    if kind == "mse":
+        return nn.functional.mse_loss(logits, y)
+    return nn.functional.cross_entropy(
+        logits.flatten(0, 1), y.flatten(), ignore_index=3, label_smoothing=0.1
+    )
+
+
+def _optimizer(name, params):
+    # AdamW's first steps divide by |g|: eps keeps an element whose gradient is ~1e-9 (equal to
+    # rounding) from moving by lr on one side and not the other
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def train_losses(rank, world, cases, steps=3):
+    """For each (loss, where, optimizer): ``steps`` training steps of the zoo Llama through
+    torch.compile(backend="fxshard") (Inductor, real ranks) and on single device, an eval()/no_grad
+    forward between steps; returns the worst relative error of losses, eval outputs and weights."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = []
+    for loss, where, optimizer in cases:
+        torch._dynamo.reset()
+        llama = zoo.init_weights(zoo.Llama(zoo.LlamaConfig()), seed=0)
+        (x,) = zoo.example_input(llama, generator=torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(2)
+        if loss == "mse":
+            y = torch.randn(*x.shape, llama.cfg.vocab_size, generator=g)
+        else:
+            y = torch.randint(0, llama.cfg.vocab_size, x.shape, generator=g)
+            y[0, :3] = 3  # ignored positions
+        plan = zoo.megatron_tp_plan()
+        if where == "inside":  # the loss in the compiled graph
+            ref = WithLoss(llama, loss)
+            plan = {f"model.{k}": v for k, v in plan.items()}
+        else:  # logits out of the compiled graph, the loss in eager code
+            ref = llama
+        model = copy.deepcopy(ref)
+        f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": plan})
+        opts = [_optimizer(optimizer, m.parameters()) for m in (ref, model)]
+        errs = []
+        for _ in range(steps):
+            for fn, opt in zip((ref, f), opts):
+                opt.zero_grad()
+                loss_value = fn(x, y) if where == "inside" else loss_of(loss, fn(x), y)
+                loss_value.backward()
+                opt.step()
+                if fn is ref:
+                    want = loss_value.detach()
+                else:
+                    errs.append(_rel(loss_value.detach(), want))
+            # evaluation between steps: the inference program, then training again
+            for m in (ref, model):
+                m.eval()
+            with torch.no_grad():
+                args = (x, y) if where == "inside" else (x,)
+                errs.append(_rel(f(*args), ref(*args)))
+            for m in (ref, model):
+                m.train()
+        errs += [_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
+        out.append((loss, where, optimizer, max(errs)))
+    return out
+
+
+def hf_train(rank, world, names, steps=3):
+    """For each transformers architecture of tests/test_hf.py: ``steps`` AdamW steps of
+    ``model(x, labels=...).loss`` (transformers' own cross-entropy, some labels -100) through
+    torch.compile(backend="fxshard") on real ranks with Inductor, a no_grad default call between
+    steps; the worst relative error of losses, logits and weights against single device."""
+    import copy
+
+    import test_hf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = []
+    for name in names:
+        torch._dynamo.reset()
+        ref, plan, _, x, labels = test_hf._build(name)
+        labels = labels.clone()
+        labels[0, :2] = -100
+        ref.train()
+        model = copy.deepcopy(ref)
+        f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": plan})
+        opts = [_optimizer("adamw", m.parameters()) for m in (ref, model)]
+        errs = []
+        for _ in range(steps):
+            losses = []
+            for fn, opt in zip((ref, f), opts):
+                opt.zero_grad()
+                loss = fn(x, labels=labels).loss
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            errs.append(_rel(losses[1], losses[0]))
+            with torch.no_grad():
+                errs.append(_rel(f(x).logits, ref(x).logits))
+        errs += [_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
+        out.append((name, max(errs)))
+    return out
