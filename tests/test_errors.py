@@ -65,6 +65,43 @@ def test_value_dependent_programs_name_the_line(model, words, training):
         assert w in str(e.value), str(e.value)
 
 
+USER_FILE = """
+import torch.nn as nn
+
+
+class Masked(nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum()
+
+
+def fn(a):
+    return a.no_such_attribute
+"""
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("folder", ["fxshard", "torch", "fxshard/capture"])
+def test_the_users_line_wherever_their_code_lives(tmp_path, folder, training):
+    """A user's code under a folder named like a package (a clone of this project is named
+    fxshard) is still the user's: errors name its file and line."""
+    import importlib.util
+
+    where = tmp_path / folder
+    where.mkdir(parents=True)
+    path = where / "user_model.py"
+    path.write_text(USER_FILE)
+    spec = importlib.util.spec_from_file_location("user_model_in_" + folder.replace("/", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = X.clone().requires_grad_(training)
+    with pytest.raises(
+        (RuntimeError, NotImplementedError), match=r"user_model\.py:7 \(`return x\[x > 0\]"
+    ):
+        fxshard.shard(module.Masked(), M2, {}, example_inputs=(x,), training=training)
+    with pytest.raises(RuntimeError, match=r"fn at user_model\.py:11"):
+        fxshard.shard(module.fn, M2, None, example_inputs=(X,))
+
+
 def my_function(a):
     return a.no_such_attribute
 

@@ -116,9 +116,38 @@ def _decompositions():
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
-def _ours(path: str) -> bool:
-    """A frame of fxshard's capture machinery (its hooks and opaque layers), not the user's."""
-    return "/fxshard/capture/" in path or path.endswith("/fxshard/ir.py")
+@functools.lru_cache(maxsize=1)
+def _package_dirs() -> tuple[str, str, str]:
+    """The resolved directories of the imported torch and fxshard packages, and fxshard's capture
+    machinery: frames are told apart by these, never by path text (a user's clone of this project
+    lands in a folder named ``fxshard``; their own code may live under one named ``torch``)."""
+    import os
+
+    import fxshard
+
+    def where(module_file: str) -> str:
+        return os.path.join(os.path.dirname(os.path.realpath(module_file)), "")
+
+    ours = where(fxshard.__file__)
+    return where(torch.__file__), ours, os.path.join(ours, "capture", "")
+
+
+@functools.lru_cache(maxsize=4096)
+def frame_kind(path: str) -> str:
+    """What a frame's file is: ``torch``, ``capture`` (fxshard's capture machinery: its hooks and
+    opaque layers), ``fxshard`` (the rest of the package), ``internal`` (``<string>``,
+    ``<eval_with_key>``) or ``user``."""
+    import os
+
+    if path.startswith("<"):
+        return "internal"
+    real = os.path.realpath(path)
+    torch_dir, ours, capture = _package_dirs()
+    if real.startswith(torch_dir):
+        return "torch"
+    if real.startswith(capture) or real == os.path.join(ours, "ir.py"):
+        return "capture"
+    return "fxshard" if real.startswith(ours) else "user"
 
 
 def source_line(stack_trace: str | None) -> tuple[str, str]:
@@ -129,7 +158,7 @@ def source_line(stack_trace: str | None) -> tuple[str, str]:
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME.search(lines[i])
         path = m.group(1) if m else ""
-        if m and "/torch/" not in path and not _ours(path) and not path.startswith("<"):
+        if m and frame_kind(path) in ("user", "fxshard"):  # fxshard's zoo models are a user's
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{m.group(1).rsplit('/', 1)[-1]}:{m.group(2)}", code
     return "", ""
@@ -153,7 +182,7 @@ def _user_frame(e: BaseException) -> tuple[str, str]:
         seen.add(id(e))
         for fr in traceback.extract_tb(e.__traceback__):
             path = fr.filename
-            if "/torch/" in path or "/fxshard/" in path or path.startswith("<"):
+            if frame_kind(path) != "user":
                 continue
             code = (fr.line or linecache.getline(path, fr.lineno or 0)).strip()
             best = (f"{path.rsplit('/', 1)[-1]}:{fr.lineno}", code)
