@@ -55,6 +55,8 @@ class Captured:
     auto: object = None  # plan="auto": the solver's AutoReport
     # dynamic shapes: the symbolic graph the (hinted) ``gm`` stands for (``capture.symbolic``)
     symbolic: object = None
+    # per forward output: eager torch would return it as a DTensor (``ir.eager_dtensor_outputs``)
+    dtensor_outputs: tuple = ()
 
     @property
     def mesh(self):
@@ -123,13 +125,12 @@ def _package_dirs() -> tuple[str, str, str]:
     lands in a folder named ``fxshard``; their own code may live under one named ``torch``)."""
     import os
 
-    import fxshard
-
     def where(module_file: str) -> str:
         return os.path.join(os.path.dirname(os.path.realpath(module_file)), "")
 
-    ours = where(fxshard.__file__)
-    return where(torch.__file__), ours, os.path.join(ours, "capture", "")
+    capture = where(__file__)  # this file is fxshard/capture/common.py
+    ours = os.path.join(os.path.dirname(os.path.dirname(capture)), "")
+    return where(torch.__file__), ours, capture
 
 
 @functools.lru_cache(maxsize=4096)
