@@ -24,6 +24,7 @@ import logging
 import warnings
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,7 +37,7 @@ from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import INPUT, KEPT_STATE, NodeKind, info
+from .ir import AS_EAGER, INPUT, KEPT_STATE, NodeKind, eager_dtensor_outputs, info, output_roles
 from .passes.redistribute import insert_redistributes
 from .placement import greedy
 from .placement.auto import AutoInfeasible, AutoOptions, annotate_auto
@@ -189,6 +190,15 @@ def annotate(
     order (``fxshard.placement.greedy``: DTensor's op-by-op choice).  A global solve that finds no
     finite plan (a boundary no redistribution reaches) falls back to the greedy one, logged."""
     config, cons = captured.config, captured.constraints
+    if isinstance(output_placements, str):
+        if output_placements != "replicate":
+            raise ValueError(
+                f"output_placements={output_placements!r}: a list (one placements tuple or None "
+                "per output) or 'replicate' (every output global)"
+            )
+        output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+        count = sum(r.kind == "output" for r in output_roles(output))
+        output_placements = [(Replicate(),) * config.mesh.ndim] * count
     _check_placements(config.mesh, input_placements, output_placements)
     if not cons.auto and auto_options is not None:
         raise ValueError("auto_options applies to plan='auto' (or a plan with a '*': 'auto' entry)")
@@ -362,7 +372,7 @@ def shard(
     ``plan="auto"`` chooses every placement by a global solve (``auto_options``: memory budget and
     more); a plan with an entry ``"*": "auto"`` fixes its other entries and solves for the rest.
     Plain callables take ``input_placements`` / ``output_placements``: one placements tuple per
-    input / output.
+    input / output (``output_placements="replicate"``: every output global).
     ``passes``: ``(point, fn)`` pairs (or functions with a ``stage`` attribute) run at the named
     points of the pipeline (see ``PASS_POINTS``).  ``multi_dim_collectives``: let the planner use
     one collective over several mesh dims (a flattened group) where that is cheaper (``fuse`` is
@@ -372,6 +382,8 @@ def shard(
     free are chosen, ``"global"`` (one solve over the graph) or ``"greedy"`` (node by node; see
     ``annotate``).
     """
+    if isinstance(example_inputs, torch.Tensor):  # one input: a tuple of one
+        example_inputs = (example_inputs,)
     by_point = _passes_by_point(passes)
     c = capture(
         model,
@@ -422,6 +434,20 @@ def _auto_options(options) -> AutoOptions | None:
     )
 
 
+def _as_eager(c: Captured, k: int):
+    """Output ``k``'s placements where the backend hands back what eager would: replicated (a
+    plain global tensor); a DTensor's, where eager returns one: the placement of the plan boundary
+    it leaves (``use_local_output=False``), else the program's own (None; replicated under
+    autograd, whose incoming gradient needs a placement before the program is planned)."""
+    ndim = c.config.mesh.ndim
+    eager = c.dtensor_outputs[k] if k < len(c.dtensor_outputs) else False
+    if isinstance(eager, str) and eager in c.constraints.boundaries:
+        placements = [Replicate()] * ndim
+        placements[c.constraints.dim] = c.constraints.boundaries[eager][0]
+        return tuple(placements)
+    return None if eager else (Replicate(),) * ndim
+
+
 def shard_dynamo_graph(
     gm: fx.GraphModule,
     args: Sequence,
@@ -461,6 +487,10 @@ def shard_dynamo_graph(
     _form_regions(c)
     if output_placements is None:
         output_placements = [(Replicate(),) * config.mesh.ndim] * num_outputs
+    c.dtensor_outputs = eager_dtensor_outputs(c.gm, set(arg_specs or ()), constraints.eager_types)
+    output_placements = [
+        _as_eager(c, k) if p is AS_EAGER else p for k, p in enumerate(output_placements)
+    ]
     input_placements = None
     if arg_specs or kept_state:
         input_placements = [None] * c.num_inputs

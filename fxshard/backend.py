@@ -83,7 +83,7 @@ from .capture.symbolic import DynamicDims, NotSymbolic, splits_dynamic
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import INPUT, STATE_KINDS, TANGENT, NodeKind, flat_outputs, info
+from .ir import AS_EAGER, INPUT, STATE_KINDS, TANGENT, NodeKind, flat_outputs, info
 from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
 from .runtime.boundary import (
@@ -165,6 +165,7 @@ class BackendOptions:
                 f"in one process"
             )
         opts = cls(**options)
+        opts._check_types()
         if not isinstance(opts.plan, dict) and opts.plan != "auto":
             raise TypeError(
                 'fxshard backend: plan must be a dict of module FQN -> ParallelStyle or "auto", '
@@ -185,6 +186,10 @@ class BackendOptions:
             raise ValueError(
                 f"fxshard backend: outputs must be one of {list(OUTPUTS)}, got {opts.outputs!r}"
             )
+        if opts.output_placements is not None:
+            opts.output_placements = _output_placements_option(
+                opts.output_placements, opts.mesh_spec.ndim
+            )
         if (opts.outputs == "dtensor" or opts.output_placements is not None) and opts.simulate:
             raise ValueError(
                 "fxshard backend: DTensor outputs (outputs='dtensor', output_placements) need a "
@@ -194,11 +199,6 @@ class BackendOptions:
             raise ValueError(
                 f"fxshard backend: state must be one of {list(STATES)}, got {opts.state!r}"
             )
-        if opts.output_placements is not None:
-            opts.output_placements = [
-                p if p is None or isinstance(p, ShardingSpec) else tuple(p)
-                for p in opts.output_placements
-            ]
         if opts.agreement is not None and not isinstance(opts.agreement, AgreementOptions):
             raise TypeError(
                 "fxshard backend: agreement must be fxshard.AgreementOptions(check_calls=..., "
@@ -209,6 +209,85 @@ class BackendOptions:
     @property
     def mesh_spec(self) -> MeshSpec:
         return MeshSpec.from_device_mesh(self.mesh)
+
+    def _check_types(self) -> None:
+        """Every option's type and range, said when the options are read (not at the first call,
+        nor never)."""
+
+        def bad(name, want, example=None):
+            value = getattr(self, name)
+            eg = f", e.g. {example}" if example else ""
+            return TypeError(
+                f"fxshard backend: option {name!r} takes {want}{eg}; got {value!r} "
+                f"({type(value).__name__})"
+            )
+
+        mesh = self.mesh
+        if not (
+            hasattr(mesh, "get_group")
+            or isinstance(mesh, MeshSpec)
+            or (
+                isinstance(mesh, (tuple, list))
+                and mesh
+                and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in mesh)
+            )
+        ):
+            raise bad(
+                "mesh",
+                "a DeviceMesh (a MeshSpec or a shape tuple with simulate=True)",
+                'init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))',
+            )
+        for name in ("multi_dim_collectives", "inductor", "simulate"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
+        if self.fuse is not None and not isinstance(self.fuse, bool):
+            raise bad("fuse", "True or False")
+        b = self.bucket_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise bad("bucket_bytes", "a number of bytes >= 0 (0: no bucketing)", "25 * 2**20")
+        if self.tp_dim is not None and (
+            isinstance(self.tp_dim, bool) or not isinstance(self.tp_dim, (int, str))
+        ):
+            raise bad("tp_dim", "a mesh dim's index or name", '"tp"')
+        if not isinstance(self.search, str) or self.search not in ("global", "greedy"):
+            raise bad("search", '"global" or "greedy"')
+        if self.auto_options is not None:
+            self.auto_options = api._auto_options(self.auto_options)  # a dict of its fields too
+            if self.plan != "auto" and not (isinstance(self.plan, dict) and "*" in self.plan):
+                raise ValueError(
+                    "fxshard backend: auto_options applies to plan='auto' (or a plan with a "
+                    "'*': 'auto' entry)"
+                )
+
+
+def _output_placements_option(given, ndim: int) -> list:
+    """``output_placements``: a list with, per output, a placements tuple (one per mesh dim), a
+    ``ShardingSpec`` or None (the program's own placement)."""
+    from torch.distributed.tensor.placement_types import Placement
+
+    example = f"[({', '.join(['Shard(0)'] * ndim)},)]" if ndim > 1 else "[(Shard(0),)]"
+    if isinstance(given, (Placement, str)) or not isinstance(given, (list, tuple)):
+        raise TypeError(
+            f"fxshard backend: output_placements takes a list with one placements tuple per "
+            f"output (one placement per mesh dim), e.g. {example}; got {given!r}"
+        )
+    out = []
+    for k, p in enumerate(given):
+        if p is None or isinstance(p, ShardingSpec):
+            out.append(p)
+            continue
+        if isinstance(p, Placement) or not isinstance(p, (list, tuple)):
+            raise TypeError(
+                f"fxshard backend: output_placements[{k}] = {p!r}: each output takes a tuple of "
+                f"placements, one per mesh dim, e.g. {example}"
+            )
+        if len(p) != ndim or not all(isinstance(q, Placement) for q in p):
+            raise ValueError(
+                f"fxshard backend: output_placements[{k}] = {tuple(p)!r}: give {ndim} "
+                f"placement(s), one per mesh dim"
+            )
+        out.append(tuple(p))
+    return out
 
 
 class _PlanScope:
@@ -416,12 +495,21 @@ class ShardedGraph:
         is handed back (a DTensor, or a KeptTensor for state stored into an attribute),
         replicated where a global tensor is."""
         given = list(self.opts.output_placements or ())
+        if len(given) > self.num_outputs:
+            raise ValueError(
+                f"fxshard backend: output_placements has {len(given)} entries, but the compiled "
+                f"graph returns {self.num_outputs} output(s) (a graph break splits the model's "
+                "outputs between graphs: give one entry per output of the graph, None for the "
+                "program's own placement)"
+            )
         replicated = (Replicate(),) * self.opts.mesh_spec.ndim
         out = []
         for k in range(self.num_outputs):
             g = given[k] if k < len(given) else None
             if g is None and self.opts.outputs == "global" and k not in self.stored:
-                g = replicated
+                # the global value, or a DTensor where eager would return one (simulated ranks:
+                # global values)
+                g = replicated if self.opts.simulate else AS_EAGER
             out.append(g)
         return out
 
@@ -430,8 +518,11 @@ class ShardedGraph:
         stored into attributes as KeptTensors where sharded."""
         given = self.opts.output_placements or ()
         specs = prog.forward_output_specs
+        eager = prog.captured.dtensor_outputs if not self.opts.simulate else ()
         as_dtensor = [
-            self.opts.outputs == "dtensor" or (k < len(given) and given[k] is not None)
+            self.opts.outputs == "dtensor"
+            or (k < len(given) and given[k] is not None)
+            or (k < len(eager) and eager[k])
             for k in range(len(specs))
         ]
         wrap = output_wrapper(specs, self.opts.mesh, as_dtensor)
@@ -444,12 +535,13 @@ class ShardedGraph:
         if not keep:
             return wrap
         mesh = self.opts.mesh
+        timeout = (self.opts.agreement or AgreementOptions()).timeout_s
 
         def wrap_state(flat: list) -> list:
             flat = wrap(flat)
             for k in keep:
                 flat[k] = KeptTensor.of(flat[k], specs[k].at_sizes(specs[k].global_shape(
-                    flat[k].shape)), mesh)  # fmt: skip
+                    flat[k].shape)), mesh, timeout)  # fmt: skip
             return flat
 
         return wrap_state

@@ -47,6 +47,9 @@ STATE_KINDS = (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT)
 # an input_placements entry: a plain input the program may place freely and, if it updates it in
 # place, hands back placed like it (a KeptTensor that is not sharded yet: ``runtime.boundary``)
 KEPT_STATE = "kept state"
+# an output_placements entry (the backend's default): the global value, or, where eager torch would
+# return a DTensor (``eager_dtensor_outputs``), the program's own placement as a DTensor
+AS_EAGER = "as eager"
 GRAD_TAG = "grad:"  # boundary tag of a complete gradient: "grad:<forward node name>"
 
 
@@ -230,3 +233,33 @@ def is_custom_op(op: object) -> bool:
     if not callable(name):
         return False
     return name().split("::")[0] not in ("aten", "prims", "fxshard")
+
+
+def eager_dtensor_outputs(gm: fx.GraphModule, dtensor_args: set, eager_types: dict) -> tuple:
+    """Per forward output of a captured graph: would eager torch return a DTensor?  A value is one
+    where it derives from a DTensor argument (``dtensor_args``: argument indices, or input indices
+    where the graph has none) or from a plan boundary whose style hands on DTensors; a boundary
+    whose style calls ``to_local()`` (``eager_types[tag] == "local"``) makes it plain again.
+    Entries: False (a plain tensor), True (a DTensor), or the boundary's tag where the output is
+    that boundary's value (a DTensor placed as the boundary says)."""
+    dtensor: set = set()
+    for n in gm.graph.nodes:
+        rec = info(n)
+        if n.op == "placeholder":
+            index = rec.arg_index if rec.arg_index is not None else rec.input_index
+            if rec.kind == NodeKind.INPUT and index in dtensor_args:
+                dtensor.add(n)
+        elif rec.kind == NodeKind.BOUNDARY and rec.tag in eager_types:
+            if eager_types[rec.tag] == "dtensor":
+                dtensor.add(n)
+        elif n.op == "call_function" and any(a in dtensor for a in n.all_input_nodes):
+            dtensor.add(n)
+        elif n.op == "output":
+            return tuple(
+                (info(v).tag if info(v).kind == NodeKind.BOUNDARY else True)
+                if isinstance(v, fx.Node) and v in dtensor
+                else False
+                for v, r in zip(flat_outputs(n), output_roles(n))
+                if r.kind == "output"
+            )
+    return ()

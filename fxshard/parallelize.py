@@ -10,11 +10,11 @@ from ``load_full_state_dict`` (streamed: one global tensor at a time), DCP, or a
 
 Calling the module captures the model (on fake tensors: no memory) for the input shapes at hand,
 shards it with the same plan, compiles the per-rank program with Inductor and runs it on the local
-shards. Inputs are the global values (every rank passes the same); outputs are this rank's shards of
-the results (``output_specs``), i.e. the global values for replicated outputs, or, with
-``outputs="dtensor"``, DTensors of those specs (no gather): a KV cache handed back and in stays
-sharded across calls (``zoo.CachedLlama``).  Buffers the forward updates in place are updated in
-their own shards (placed as the plan says, replicated where it names none).
+shards. Inputs are the global values (every rank passes the same); outputs are the global values
+(the program replicates them, with or without autograd), or, with ``outputs="dtensor"``, DTensors
+of the placements the program produced (``output_specs``; no gather): a KV cache handed back and
+in stays sharded across calls (``zoo.CachedLlama``).  Buffers the forward updates in place are
+updated in their own shards (placed as the plan says, replicated where it names none).
 """
 
 from __future__ import annotations
@@ -316,6 +316,9 @@ class ParallelModule(nn.Module):
                 self.plan,
                 example_inputs=meta_inputs,
                 input_placements=given if any(g is not None for g in given) else None,
+                # outputs="global": the global values, with or without autograd (a vocab-sharded
+                # head's shards are gathered in the program, where the planner prices it)
+                output_placements="replicate" if self.outputs == "global" else None,
                 tp_dim=self.tp_dim,
                 training=training,
                 **self.options,

@@ -1134,3 +1134,149 @@ def hf_train(rank, world, names, steps=3):
         errs += [_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
         out.append((name, max(errs)))
     return out
+
+
+class VocabHead(nn.Module):
+    """A model whose output leaves a ColwiseParallel layer (a vocab-parallel head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def parallelize_calls(rank, world):
+    """fxshard.parallelize of a vocab-parallel head called every way a training loop calls it: the
+    global output of single device each time (name -> (shape, max abs error or None))."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    torch.manual_seed(0)
+    ref = VocabHead()
+    x = torch.randn(4, 8, 16)
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(copy.deepcopy(ref), dm, {"head": ColwiseParallel()})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, pm)]
+    out = {}
+
+    def check(name, got, want):
+        got = got.full_tensor() if hasattr(got, "full_tensor") else got
+        same = tuple(got.shape) == tuple(want.shape)
+        out[name] = (tuple(got.shape), float((got - want).abs().max()) if same else None)
+
+    with torch.no_grad():
+        check("no_grad", pm(x), ref(x))
+    for step in range(2):  # training steps with a no_grad evaluation between them
+        for m, opt in zip((ref, pm), opts):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+        with torch.no_grad():
+            check(f"eval after step {step}", pm(x), ref(x))
+    for p in pm.parameters():
+        p.requires_grad_(False)
+    check("frozen", pm(x), ref(x).detach())
+    return out
+
+
+def _dtensor_fn(x):
+    return torch.relu(x) * 2 + x.sum(-1, keepdim=True)
+
+
+def dtensor_returns(rank, world):
+    """Where eager returns a DTensor, the compiled call returns one (name -> (is a DTensor,
+    placements, max abs error of the global value)); where eager returns a plain tensor, a plain
+    global one."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+
+    def record(name, got, want):
+        is_dt = isinstance(got, DTensor)
+        full = got.full_tensor() if is_dt else got
+        want_full = want.full_tensor() if isinstance(want, DTensor) else want
+        err = float((full - want_full).abs().max()) if full.shape == want_full.shape else None
+        out[name] = (is_dt, tuple(str(p) for p in got.placements) if is_dt else None, err)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    dx = distribute_tensor(x, dm, [Shard(0)])
+    torch._dynamo.reset()
+    f = torch.compile(_dtensor_fn, backend="fxshard", options={"mesh": dm, "plan": {}})
+    record("dtensor in", f(dx), _dtensor_fn(dx))
+
+    # use_local_output=False: torch's way to ask a layer for a DTensor output
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref = VocabHead()
+    plan = {
+        "body": ColwiseParallel(),
+        "head": RowwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    eager = parallelize_module(copy.deepcopy(ref), dm, plan)
+    xs = torch.randn(4, 8, 16)
+    got = torch.compile(copy.deepcopy(ref), backend="fxshard", options={"mesh": dm, "plan": plan})
+    record("use_local_output=False", got(xs), eager(xs))
+    record("eager torch", eager(xs), ref(xs))
+    # the plain default: plain inputs and a plan give global tensors
+    torch._dynamo.reset()
+    plain = {"body": ColwiseParallel(), "head": RowwiseParallel()}
+    got = torch.compile(copy.deepcopy(ref), backend="fxshard", options={"mesh": dm, "plan": plain})
+    record("plain", got(xs), ref(xs))
+    return out
+
+
+def lone_read(rank, world, timeout_s):
+    """A decode loop over a kept-sharded cache; every rank reads it eagerly once (right), then
+    rank 0 alone reads it (a print on rank 0) while the others decode on.  Per rank: the joint
+    read's error, what the lone read / the next calls raised, and how long that took."""
+    import copy
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    ref = CachedBlock()
+    dm = init_device_mesh("cpu", (world,))
+    xs = torch.randn(6, 2, 1, 64, generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    options = {
+        "mesh": dm,
+        "plan": _cache_plan(),
+        "agreement": fxshard.AgreementOptions(timeout_s=timeout_s, collective_timeout_s=60),
+    }
+    model = torch.compile(copy.deepcopy(ref), backend="fxshard", options=options)
+    mine, theirs = CacheLayer(), CacheLayer()
+    out = {}
+    with torch.no_grad():
+        for i in range(2):
+            pos = torch.tensor([i])
+            model(xs[i], pos, mine)
+            ref(xs[i], pos, theirs)
+        out["kept"] = type(mine.k).__name__
+        out["joint read"] = abs(float(mine.k.sum()) - float(theirs.k.sum()))
+        start = time.monotonic()
+        try:
+            if rank == 0:
+                print(float(mine.k.sum()))  # rank 0 alone
+            for i in range(2, 6):
+                model(xs[i], torch.tensor([i]), mine)
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001 - the test reads what each rank got
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    return out

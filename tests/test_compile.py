@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from models import MLP, ConvNet, Llama, example_input, init_weights, megatron_tp_plan, mlp_plan
+from torch.distributed.tensor import Shard
 
 import fxshard
 from fxshard import zoo
@@ -346,6 +347,37 @@ def test_backend_is_registered_by_entry_point():
         (
             {"mesh": MESH_TP, "plan": {"fc9": "colwise"}, "simulate": True},
             "'fc9' matches no module of MLP",
+        ),
+        # every option's type and range, when the options are read
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "bucket_bytes": "25MB"},
+            r"'bucket_bytes' takes a number of bytes >= 0 .*25 \* 2\*\*20",
+        ),
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "bucket_bytes": -1},
+            "'bucket_bytes' takes a number of bytes >= 0",
+        ),
+        ({"mesh": 4, "plan": {}}, "'mesh' takes a DeviceMesh"),
+        ({"mesh": MESH_TP, "plan": {}, "simulate": "yes"}, "'simulate' takes True or False"),
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "auto_options": {"time_limit_s": 1}},
+            "auto_options applies to plan='auto'",
+        ),
+        (
+            {"mesh": MESH_TP, "plan": "auto", "simulate": True, "auto_options": {"memory": 1}},
+            r"unknown field\(s\) \['memory'\]",
+        ),
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "output_placements": Shard(0)},
+            r"output_placements takes a list with one placements tuple per output.*\[\(Shard",
+        ),
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "output_placements": [Shard(0)]},
+            r"output_placements\[0\] = Shard\(dim=0\): each output takes a tuple",
+        ),
+        (
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "search": "best"},
+            '\'search\' takes "global" or "greedy"',
         ),
     ],
 )

@@ -129,6 +129,9 @@ def test_friendlier_forms_are_accepted():
     prog = fxshard.shard(MLP(), (2,), "auto", example_inputs=(X,), auto_options={"time_limit_s": 5})
     assert prog.mesh.shape == (2,)
     lin = nn.Linear(8, 16)
+    # one input given as the tensor itself, not a tuple of one
+    prog = fxshard.shard(lin, M2, {"": ColwiseParallel()}, example_inputs=X)
+    torch.testing.assert_close(prog.simulate(X), lin(X).detach())
     prog = fxshard.shard(lin, M2, {"": ColwiseParallel()}, example_inputs=(X,))
     torch.testing.assert_close(prog.simulate(X), lin(X).detach())
     weight = next(p for p in prog.placeholders if p.meta["fxshard"].fqn == "weight")

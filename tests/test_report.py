@@ -493,3 +493,29 @@ def test_explain_verbose_lists_every_node():
     prog = program(MLP(), mlp_plan(), fxshard.MeshSpec((2,)))
     assert len(prog.explain(verbose=True).splitlines()) > len(prog.explain().splitlines())
     assert torch.is_tensor(prog.simulate(*example_input(MLP())))
+
+
+@pytest.mark.parametrize("plan", ["auto", "megatron"])
+def test_a_meta_device_program_explains(plan, caplog):
+    """Planning a model built on the meta device and reading its plan is how plan="auto" is used at
+    scale: explain, collectives, JSON and the INFO log work on it."""
+    import logging
+
+    cfg = Llama(fxshard.zoo.LlamaConfig()).cfg
+    with torch.device("meta"):
+        model = Llama(cfg)
+    x = torch.randint(0, cfg.vocab_size, (4, 8), device="meta")
+    with caplog.at_level(logging.INFO, logger="fxshard"):
+        prog = fxshard.shard(
+            model,
+            fxshard.MeshSpec((2,), ("tp",)),
+            "auto" if plan == "auto" else megatron_tp_plan(),
+            example_inputs=(x,),
+            training=True,
+        )
+    assert "collectives" in prog.explain()
+    kinds = {c.kind for c in prog.collectives()}
+    assert kinds <= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert plan == "auto" or "all_reduce" in kinds
+    assert len(json.loads(prog.explain(format="json"))["collectives"]) == len(prog.collectives())
+    assert any("fxshard" in r.name for r in caplog.records)

@@ -36,3 +36,38 @@ def test_transformers_training_with_labels_on_gloo_ranks():
         assert [r[0] for r in rank_results] == names
         for name, rel in rank_results:
             assert rel < 1e-4, (name, rel)
+
+
+@pytest.mark.slow
+def test_parallelize_returns_global_outputs_with_and_without_autograd():
+    """A vocab-parallel head under no_grad, with frozen parameters and between training steps
+    returned one rank's half of the logits (silently)."""
+    for rank_results in spawn(2, e2e_workers.parallelize_calls, timeout=300, collective_timeout=60):
+        assert set(rank_results) == {"no_grad", "eval after step 0", "eval after step 1", "frozen"}
+        for name, (shape, err) in rank_results.items():
+            assert shape == (4, 8, 100) and err is not None and err < 1e-5, (name, shape, err)
+
+
+@pytest.mark.slow
+def test_a_compiled_call_returns_what_eager_returns():
+    """DTensor in: a DTensor out, placed as eager DTensor places it; a style with
+    use_local_output=False: a DTensor out; plain inputs with a plan: a plain global tensor."""
+    for r in spawn(2, e2e_workers.dtensor_returns, timeout=300, collective_timeout=60):
+        assert r["eager torch"][0], r  # what the compiled call is held to
+        for name in ("dtensor in", "use_local_output=False", "plain"):
+            assert r[name][2] is not None and r[name][2] < 1e-5, (name, r[name])
+        assert r["dtensor in"][:2] == (True, ("S(0)",)), r["dtensor in"]
+        assert r["use_local_output=False"][0], r["use_local_output=False"]
+        assert r["use_local_output=False"][1] == r["eager torch"][1], r
+        assert r["plain"][:2] == (False, None), r["plain"]
+
+
+@pytest.mark.slow
+def test_a_read_one_rank_makes_alone_fails_clearly_instead_of_hanging():
+    """Rank 0 reads a sharded KeptTensor eagerly (a print), the other rank decodes on: it hung
+    (a gather on the mesh's group, paired with the other's program collectives)."""
+    results = spawn(2, e2e_workers.lone_read, 10.0, timeout=240, collective_timeout=120)
+    for rank, r in enumerate(results):
+        assert r["kept"] == "KeptTensor" and r["joint read"] < 1e-4, r
+        assert r["error"] is not None and r["seconds"] < 60, (rank, r)
+    assert "read" in results[0]["error"] and "t.local" in results[0]["error"], results[0]

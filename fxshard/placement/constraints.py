@@ -62,6 +62,11 @@ class PlanConstraints:
     # experts modules whose weights the plan splits by experts ({FQN: module}): a forward capture
     # makes each one region (``capture.regions``: expert parallelism by token dispatch)
     experts: dict = field(default_factory=dict)
+    # boundary tag -> what eager torch hands on there: "dtensor" (a style that makes its values
+    # DTensors: ColwiseParallel's input, use_local_output=False) or "local" (to_local(): every
+    # use_local_output=True, every transformers style); the compiled call returns a DTensor where
+    # eager would (``ir.eager_dtensor_outputs``)
+    eager_types: dict[str, str] = field(default_factory=dict)
 
 
 # transformers' tp_plan style strings (its ParallelInterface) as fxshard's placements.  fxshard runs
@@ -228,7 +233,10 @@ def resolve_plan(
                 f"closest existing FQNs: {close or sorted(modules)[:8]}"
             )
         for fqn in matches:
+            before = set(out.boundaries)
             _apply_style(out, fqn, modules[fqn], style, f"{pattern}: {_style_name(style)}")
+            for tag in set(out.boundaries) - before:
+                out.eager_types[tag] = "local" if raw is not None else _eager_type(style, tag)
     _tie(out, model)
     return out
 
@@ -383,6 +391,18 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
                 out.boundaries[f"{fqn}:out:{i}"] = (desired, prov)
     else:
         raise ValueError(f"{prov}: unsupported plan style {style!r}")
+
+
+def _eager_type(style, tag: str) -> str:
+    """What torch's ``parallelize_module`` hands on at a boundary ``style`` made: "dtensor" or
+    "local"."""
+    side = "in" if ":in:" in tag else "out"
+    if isinstance(style, PrepareModuleInputOutput):
+        style = style.prepare_module_input if side == "in" else style.prepare_module_output
+    if isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)) and side == "in":
+        return "dtensor"  # the module's body runs on DTensors
+    local = getattr(style, "use_local_output", True)
+    return "local" if local else "dtensor"
 
 
 def _apply_param_style(out: PlanConstraints, fqn: str, param, style: str, prov: str) -> None:

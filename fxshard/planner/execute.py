@@ -196,7 +196,10 @@ def _pick(rows, c, device):
     """Row ``c`` of a per-coordinate table of index lists, as a LongTensor."""
     if isinstance(c, torch.Tensor):
         t = torch.tensor(rows, dtype=torch.long, device=device)
-        return t.index_select(0, c.reshape(1)).reshape(-1)
+        index = c.reshape(1)
+        if index.device != t.device:  # a meta-device model's program: the coordinate is on cpu
+            index = index.to(t.device)
+        return t.index_select(0, index).reshape(-1)
     return torch.tensor(rows[c], dtype=torch.long, device=device)
 
 

@@ -91,6 +91,81 @@ def _check_group(device_mesh: DeviceMesh, timeout_s: float):
     return _GROUPS[key]
 
 
+_READS = [0]  # sharded values read in eager code on this rank (KeptTensor.full): every rank counts
+
+
+def prepare_reads(device_mesh: DeviceMesh, timeout_s: float) -> None:
+    """Make the group ``read_together`` runs on, now (every rank of the mesh must call this at
+    the same point: where a program hands out a sharded value)."""
+    if _real_group():
+        _check_group(device_mesh, timeout_s)
+
+
+def read_together(
+    local: torch.Tensor, spec, device_mesh: DeviceMesh, timeout_s: float
+) -> torch.Tensor | None:
+    """The global value of a tensor whose shards the ranks of ``device_mesh`` hold (a KeptTensor
+    read in eager code), or None without a real process group.
+
+    Every rank must read it at the same point of the program.  The shards travel on the check
+    group (never paired with a program's collectives), stamped with this rank's count of such
+    reads and the value's spec: a read one rank makes on its own (a print on rank 0) fails within
+    ``timeout_s`` with an error that says so, and reads the ranks make in different orders fail on
+    every rank instead of mixing two values."""
+    if not _real_group():
+        return None
+    from .simulate import assemble
+
+    group = _check_group(device_mesh, timeout_s)
+    _READS[0] += 1
+    stamp = (_READS[0], tuple(spec.shape), str(spec))
+    me = dist.get_rank()
+    coord = tuple(int(c) for c in device_mesh.get_coordinate())
+    got: list = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(got, ("read", me, (stamp, coord, local.detach().cpu())), group=group)
+    except Exception as e:
+        abort_process_groups()  # the others, waiting in a program's collective, fail too
+        raise RanksDisagree(
+            f"fxshard: rank {me} waited {timeout_s:.0f} s for the other ranks to read a sharded "
+            f"value (its read number {stamp[0]}: a KeptTensor of shape {stamp[1]}, {stamp[2]}) "
+            "and they did not come. Reading it gathers its shards, so every rank must read it "
+            "at the same point; on one rank alone read `t.local` (this rank's shard) instead, "
+            "or call `t.full()` on every rank first. fxshard aborted the process groups so that "
+            f"no rank waits. ({type(e).__name__}: {str(e)[:200]})",
+            together=False,
+        ) from e
+    _same_exchange("read", got, "reading a sharded value (a KeptTensor) in eager code")
+    got = [(r, *rest) for _, r, rest in got]
+    stamps = {r: st for r, st, _, _ in got}
+    if len(set(stamps.values())) > 1:
+        shown = ", ".join(f"rank {r}: read {st[0]} of {st[1]} {st[2]}" for r, st in stamps.items())
+        raise RanksDisagree(
+            f"fxshard: the ranks read different sharded values at once ({shown}): every rank "
+            "must read a KeptTensor at the same point of the program (a read on one rank alone: "
+            "`t.local`)"
+        )
+    vals = {r: t for r, _, _, t in got}
+    coords = {r: c for r, _, c, _ in got}
+    return assemble(vals, spec, coords, check_replicas=False).to(local.device)
+
+
+def _same_exchange(kind: str, got: list, doing: str) -> None:
+    """Every rank's message on the check group is one of ``kind``: else ranks that do different
+    things met there (one rank reads a sharded value alone while another checks its next
+    program): an error on both, saying what each was doing."""
+    others = [(r, k) for k, r, _ in got if k != kind]
+    if not others:
+        return
+    what = {"check": "checking its next program", "read": "reading a sharded value (KeptTensor)"}
+    shown = ", ".join(f"rank {r} was {what.get(k, k)}" for r, k in others)
+    raise RanksDisagree(
+        f"fxshard: this rank was {doing}, but {shown}: the ranks left the one program they run "
+        "together. Reading a KeptTensor gathers it, so every rank must read it at the same point; "
+        "on one rank alone read `t.local` (this rank's shard)."
+    )
+
+
 def limit_timeouts(local: torch.fx.GraphModule, device_type: str, options: AgreementOptions):
     """Bound the timeout of every process group the per-rank graph's collectives use."""
     seconds = options.collective_timeout_s
@@ -231,7 +306,7 @@ class Agreement:
         me = dist.get_rank()
         got: list = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(got, (me, mine), group=group)
+            dist.all_gather_object(got, ("check", me, mine), group=group)
         except Exception as e:
             raise RanksDisagree(
                 f"fxshard: rank {me} waited {self.options.timeout_s:.0f} s for every rank of the "
@@ -240,7 +315,8 @@ class Agreement:
                 f"failed. ({type(e).__name__}: {str(e)[:200]})",
                 together=False,
             ) from e
-        return sorted(got)
+        _same_exchange("check", got, f"checking {self.what} before running it")
+        return sorted((r, m) for _, r, m in got)
 
     def _take_state(self, state: Mapping[str, torch.Tensor], got: list) -> list[str]:
         names = sorted({f for _, sums in got for f in sums})

@@ -55,6 +55,7 @@ from .._torch import (
 )
 from ..core.mesh import MeshSpec
 from ..core.spec import ShardingSpec
+from .agree import DEFAULT_TIMEOUT_S, prepare_reads, read_together
 
 OUTPUTS = ("global", "dtensor")
 STATES = ("sharded", "global")
@@ -163,6 +164,7 @@ class Layout:
     placements: tuple
     levels: tuple
     device_mesh: object = None
+    read_timeout_s: float = DEFAULT_TIMEOUT_S  # how long an eager read waits for the other ranks
 
     def spec(self, shape, dtype) -> ShardingSpec:
         if self.mesh is None:
@@ -193,9 +195,14 @@ class KeptTensor(WrapperTensor):
         return r
 
     @classmethod
-    def of(cls, local: torch.Tensor, spec: ShardingSpec, device_mesh) -> KeptTensor:
-        """This rank's shard ``local`` of a value placed ``spec`` on ``device_mesh``."""
-        layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh)
+    def of(
+        cls, local: torch.Tensor, spec: ShardingSpec, device_mesh, timeout_s=DEFAULT_TIMEOUT_S
+    ) -> KeptTensor:
+        """This rank's shard ``local`` of a value placed ``spec`` on ``device_mesh`` (every rank
+        makes it at the same point: a program's call); an eager read waits ``timeout_s`` for the
+        other ranks."""
+        prepare_reads(device_mesh, timeout_s)
+        layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
         return cls(local, layout, spec.shape)
 
     @property
@@ -222,8 +229,10 @@ class KeptTensor(WrapperTensor):
         ``spec``."""
         if tuple(spec.shape) != tuple(self.shape):
             raise ValueError(f"a shard of {spec.shape} for a tensor of {tuple(self.shape)}")
+        timeout_s = self._layout.read_timeout_s
+        prepare_reads(device_mesh, timeout_s)
         self._local = local
-        self._layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh)
+        self._layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
 
     @property
     def viewed(self) -> bool:
@@ -262,6 +271,11 @@ class KeptTensor(WrapperTensor):
                                        device=self.device)  # fmt: skip
         if not self.sharded:
             return self._local
+        # on a group of its own, checked and bounded: a read one rank makes alone must not pair
+        # with the others' next program collectives, nor wait forever
+        got = read_together(self._local, self.spec, self.device_mesh, self._layout.read_timeout_s)
+        if got is not None:
+            return got
         return wrap_output(self._local, self.device_mesh, self.spec).full_tensor()
 
     def __repr__(self) -> str:  # no gather: a print on one rank must not wait for the others
