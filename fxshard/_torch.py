@@ -8,6 +8,7 @@ directly elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -422,6 +423,22 @@ def lazy_graph_modules():
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     return _use_lazy_graph_module(True)
+
+
+@contextlib.contextmanager
+def library_tracing():
+    """Inside: ``torch.compiler.is_compiling()`` is True, as under dynamo.  AOTAutograd's joint
+    trace runs the model's Python without dynamo, and libraries take their eager-only paths there
+    (transformers' ``is_tracing()`` gates value-dependent checks such as ``masking_utils``'s
+    ``(mask[:, -1] == 0).all()``): a trace must see what dynamo sees."""
+    import torch.compiler as compiler
+
+    before = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = before
 
 
 def export_joint(

@@ -438,3 +438,35 @@ class ModelSnapshot:
                     f"{f} is another tensor than when traced (the program holds the old one)"
                 )
         return out
+
+
+def lift_constants(gm: fx.GraphModule, mode, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Tensor constants the trace made (``get_attr`` of ``_tensor_constant0``: a ``torch.tensor``
+    in the model's code, e.g. HF's cache and mask helpers) become placeholders of kind constant,
+    after the others: placed like any state (replicated unless a search shards them, sliced
+    locally), their values in the program's state under their attribute names."""
+    graph = gm.graph
+    found: dict[str, list[fx.Node]] = {}  # one placeholder per constant, however many read it
+    for n in graph.nodes:
+        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor):
+            found.setdefault(n.target, []).append(n)
+    if not found:
+        return {}
+    # after the last placeholder that is no incoming gradient (a joint graph's tangents stay last)
+    last = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")][
+        -1
+    ]
+    out = {}
+    for target, nodes in found.items():
+        value = getattr(gm, target).detach()
+        with graph.inserting_after(last):
+            p = graph.placeholder(prefix + target)
+        p.meta.update(nodes[0].meta)
+        p.meta["val"] = mode.from_tensor(value, static_shapes=True)  # a constant's shape is fixed
+        for n in nodes:
+            n.replace_all_uses_with(p)
+            graph.erase_node(n)
+        delattr(gm, target)
+        out[p.target] = value
+        last = p
+    return out

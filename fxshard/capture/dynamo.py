@@ -24,7 +24,6 @@ from torch.fx.traceback import preserve_node_meta
 from .._torch import (
     describe,
     fake_mode,
-    fake_mode_of,
     functionalized,
     is_fake,
     placeholder_source,
@@ -38,6 +37,7 @@ from .common import (
     check_no_input_mutation,
     decomposition_table,
     drop_trace_checks,
+    lift_constants,
     normalize_source,
     path_fqn,
     record,
@@ -289,7 +289,7 @@ def capture_dynamo_graph(
         else:
             n_inputs += 1
         kept.append((kind, fqn))
-    constants = _lift_constants(traced, mode)
+    constants = lift_constants(traced, mode)
     state.update(constants)
     kept += [(CONSTANT, name) for name in constants]
     record(traced, kept, roots)
@@ -336,38 +336,6 @@ def size_carrier(n: int, device=None) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.uint8, device=device)
 
 
-def _lift_constants(gm: fx.GraphModule, mode, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Tensor constants the trace made (``get_attr`` of ``_tensor_constant0``: a ``torch.tensor``
-    in the model's code, e.g. HF's cache and mask helpers) become placeholders of kind constant,
-    after the others: placed like any state (replicated unless a search shards them, sliced
-    locally), their values in the program's state under their attribute names."""
-    graph = gm.graph
-    found: dict[str, list[fx.Node]] = {}  # one placeholder per constant, however many read it
-    for n in graph.nodes:
-        if n.op == "get_attr" and isinstance(getattr(gm, n.target, None), torch.Tensor):
-            found.setdefault(n.target, []).append(n)
-    if not found:
-        return {}
-    # after the last placeholder that is no incoming gradient (a joint graph's tangents stay last)
-    last = [n for n in graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")][
-        -1
-    ]
-    out = {}
-    for target, nodes in found.items():
-        value = getattr(gm, target).detach()
-        with graph.inserting_after(last):
-            p = graph.placeholder(prefix + target)
-        p.meta.update(nodes[0].meta)
-        p.meta["val"] = mode.from_tensor(value, static_shapes=True)  # a constant's shape is fixed
-        for n in nodes:
-            n.replace_all_uses_with(p)
-            graph.erase_node(n)
-        delattr(gm, target)
-        out[p.target] = value
-        last = p
-    return out
-
-
 class _Run(nn.Module):
     """The dynamo graph's interpreter as a module (what AOT traces)."""
 
@@ -389,17 +357,15 @@ def _capture_dynamo_joint(run, args, tensor_pos, kinds) -> Captured:
             kind, what = describe(n.meta.get("desc"))
             if kind == INPUT:
                 info(n).arg_index = tensor_pos[what]
-    state = {
-        fqn: args[i].detach()
-        for i, (kind, fqn) in zip(tensor_pos, input_kinds)
-        if kind in (PARAM, BUFFER)
-    }
-    mode = fake_mode_of([n.meta.get("val") for n in c.gm.graph.nodes if n.op == "placeholder"])
-    constants = _lift_constants(c.gm, mode, prefix="primals_")  # the partitioner's primals
-    for n in c.gm.graph.nodes:
-        if n.op == "placeholder" and n.target in constants:
-            info(n).kind, info(n).fqn = CONSTANT, n.target
-    state.update(constants)
+    # the graph's parameters and buffers, and the tensor constants capture_joint lifted
+    state = {f: t for f, t in c.state.items() if f.startswith("primals_")}
+    state.update(
+        {
+            fqn: args[i].detach()
+            for i, (kind, fqn) in zip(tensor_pos, input_kinds)
+            if kind in (PARAM, BUFFER)
+        }
+    )
     c.gm.graph.lint()
     c.gm.recompile()
     return dataclasses.replace(c, state=state)

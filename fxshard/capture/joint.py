@@ -25,10 +25,22 @@ from .._torch import (
     fake_mode_of,
     is_fake_of,
     lazy_graph_modules,
+    library_tracing,
     module_tensor_slots,
     use_flat_codegen,
 )
-from ..ir import BOUNDARY, BUFFER, GRAD_TAG, INPUT, PARAM, TANGENT, Role, flat_outputs, info
+from ..ir import (
+    BOUNDARY,
+    BUFFER,
+    CONSTANT,
+    GRAD_TAG,
+    INPUT,
+    PARAM,
+    TANGENT,
+    Role,
+    flat_outputs,
+    info,
+)
 from . import stitch
 from .common import (
     Captured,
@@ -37,6 +49,7 @@ from .common import (
     check_no_input_mutation,
     decomposition_table,
     drop_trace_checks,
+    lift_constants,
     record,
     stand_in_ops,
     take_scalar_inputs,
@@ -71,6 +84,13 @@ def capture_joint(
     kinds = _placeholder_kinds(gm, input_kinds)
     mark_gradients(gm)
     n_inputs = record(gm, kinds)
+    # tensor constants the trace made (a torch.tensor in the model's code: Gemma-2's normaliser,
+    # HF's mask helpers) are placeholders of kind constant, as in the backend's graphs
+    mode = fake_mode_of([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    constants = lift_constants(gm, mode, prefix="primals_")  # the partitioner's primals
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.target in constants:
+            info(n).kind, info(n).fqn = CONSTANT, n.target
     scalars = take_scalar_inputs(gm, example_inputs)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     info(out).roles = tuple(_output_roles(out, input_kinds))
@@ -79,6 +99,7 @@ def capture_joint(
     # every name a shared tensor goes by (AOT may name its placeholder by any of them)
     state = {f: t.detach() for f, t in module.named_parameters(remove_duplicate=False)}
     state.update({f: t.detach() for f, t in module.named_buffers(remove_duplicate=False)})
+    state.update(constants)
     return Captured(
         gm,
         state,
@@ -147,6 +168,7 @@ def _export(module: nn.Module, example_inputs: Sequence, boundaries, reuse_layer
             warnings.catch_warnings(),
             lazy_graph_modules(),
             stand_in_ops(),
+            library_tracing(),
         ):
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             # reuse_layers stops a trace from inside a layer's backward (a fallback): not an error
