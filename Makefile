@@ -36,13 +36,17 @@ rulecheck: venv
 
 # Another torch release (not in CI): its own venv, from the package index (the CUDA wheels of torch
 # 2.11 / 2.12 / 2.15 need their nvidia-* packages even to import on a CPU machine: ~5 GB), then
-# the tests that run on simulated ranks.  `make compat COMPAT_TORCH=2.15.0` for another release.
-COMPAT_TORCH ?= 2.11.0
+# the tests that run on simulated ranks.  `make compat COMPAT_TORCH=2.11.0` for another release.
+# A machine whose pip configuration caps torch (a constraints file) gets the release asked for
+# here: this venv's installs read no pip configuration file (PIP_CONFIG_FILE=/dev/null), the main
+# venv's still do.
+COMPAT_TORCH ?= 2.15.0
 COMPAT := .venv-torch$(COMPAT_TORCH)
+COMPAT_PIP := PIP_CONFIG_FILE=/dev/null $(COMPAT)/bin/pip
 compat:
 	test -x $(COMPAT)/bin/python || python3 -m venv $(COMPAT)
-	$(COMPAT)/bin/pip install -q torch==$(COMPAT_TORCH)
-	$(COMPAT)/bin/pip install -q -e ".[test]"
+	$(COMPAT_PIP) install -q torch==$(COMPAT_TORCH)
+	$(COMPAT_PIP) install -q -e ".[test]"
 	$(COMPAT)/bin/python -m pytest -q -m "not slow" tests
 
 lint: venv

@@ -1029,7 +1029,8 @@ def simulated_groups(group_name: str) -> list[list[int]]:
     each in group-rank order."""
     from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
-    ranks, offsets, _ = _prepare_collective_groups(process_group(group_name))
+    # (ranks, group offsets[, offset]): torch 2.15 dropped the third value
+    ranks, offsets = _prepare_collective_groups(process_group(group_name))[:2]
     return [[o + r for r in ranks] for o in offsets]
 
 
