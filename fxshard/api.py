@@ -463,6 +463,7 @@ def shard_dynamo_graph(
     kept_state: frozenset = frozenset(),
     auto_options: AutoOptions | None = None,
     dynamic=None,
+    dtensor_args: frozenset = frozenset(),
 ) -> ShardedProgram:
     """A dynamo graph sharded for this call's arguments (the ``torch.compile`` backend): captured
     (the joint forward+backward under autograd), annotated, redistributed.  Outputs are handed back
@@ -470,7 +471,9 @@ def shard_dynamo_graph(
     the program's own placement, reduced); ``arg_specs`` ({argument index: ShardingSpec}) fixes the
     placements of DTensor arguments (user inputs only); ``kept_state`` (argument indices): plain
     inputs that, where the graph updates them in place, come back placed as the program takes them
-    (state kept sharded between calls) rather than replicated.  ``dynamic``
+    (state kept sharded between calls) rather than replicated; ``dtensor_args`` (argument
+    indices): the DTensor arguments (not KeptTensors), which make the outputs derived from them
+    DTensors where the backend hands back what eager would.  ``dynamic``
     (``capture.symbolic.DynamicDims``): one program for every size of those dims."""
     c = capture_dynamo_graph(
         gm,
@@ -487,7 +490,7 @@ def shard_dynamo_graph(
     _form_regions(c)
     if output_placements is None:
         output_placements = [(Replicate(),) * config.mesh.ndim] * num_outputs
-    c.dtensor_outputs = eager_dtensor_outputs(c.gm, set(arg_specs or ()), constraints.eager_types)
+    c.dtensor_outputs = eager_dtensor_outputs(c.gm, set(dtensor_args), constraints.eager_types)
     output_placements = [
         _as_eager(c, k) if p is AS_EAGER else p for k, p in enumerate(output_placements)
     ]

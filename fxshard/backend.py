@@ -72,6 +72,7 @@ from ._torch import (
     attribute_outputs,
     calling_modules,
     dynamo_frame_locals,
+    is_dtensor,
     placeholder_source,
     shape_guards,
     tensor_version,
@@ -614,6 +615,7 @@ class ShardedGraph:
         # KeptTensors not sharded yet (fxshard.kept): placed freely, an update in place handed
         # back in the program's placement (no gather)
         kept_args = frozenset(i for i, a in enumerate(args) if is_kept(a) and i not in dt_specs)
+        raw_args = args
         kept_state = frozenset(
             i for i in kept_args if not args[i].viewed and not training and not opts.simulate
         )  # (one that eager code holds views of stays whole: they must keep seeing it)
@@ -653,6 +655,8 @@ class ShardedGraph:
             training=training,
             output_placements=self._output_placements(),
             arg_specs=dt_specs,
+            # DTensor arguments (KeptTensors are plain tensors to eager code)
+            dtensor_args=frozenset(i for i in dt_specs if is_dtensor(raw_args[i])),
             kept_state=kept_state,
             auto_options=opts.auto_options,
             dynamic=dynamic,

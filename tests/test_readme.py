@@ -1,0 +1,74 @@
+"""The README runs as written: every python block, in a fresh interpreter, or under torchrun on
+gloo where its first line says ``# torchrun --nproc-per-node N`` (a block that is deliberately a
+fragment says ``# fragment`` on its first line and is only compiled)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"]
+TORCHRUN = re.compile(r"#\s*torchrun --nproc-per-node (\d+)")
+
+
+def blocks(page: str) -> list[tuple[str, int, str]]:
+    """(page, line, code) of every ```python block."""
+    out, code, start = [], None, 0
+    with open(os.path.join(ROOT, page)) as f:
+        for i, line in enumerate(f, 1):
+            if code is None and line.strip() == "```python":
+                code, start = [], i + 1
+            elif code is not None and line.strip() == "```":
+                out.append((page, start, "".join(code)))
+                code = None
+            elif code is not None:
+                code.append(line)
+    return out
+
+
+def _cases(slow: bool):
+    out = []
+    for page, line, code in (b for p in PAGES for b in blocks(p)):
+        first = code.lstrip().splitlines()[0] if code.strip() else ""
+        ranks = TORCHRUN.match(first)
+        if bool(ranks) == slow:
+            marks = [pytest.mark.slow] if slow else []
+            out.append(pytest.param(page, line, code, id=f"{page}:{line}", marks=marks))
+    return out
+
+
+def _run(args, path, timeout):
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        args, cwd=os.path.dirname(path), env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert r.returncode == 0, f"{' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r.stdout
+
+
+def test_the_readme_has_blocks_of_both_kinds():
+    assert _cases(slow=False) and _cases(slow=True)
+
+
+@pytest.mark.parametrize("page, line, code", _cases(slow=False))
+def test_block_runs(page, line, code, tmp_path):
+    path = tmp_path / "block.py"
+    path.write_text(code)
+    if code.lstrip().startswith("# fragment"):
+        compile(code, f"{page}:{line}", "exec")
+        return
+    _run([sys.executable, str(path)], str(path), timeout=600)
+
+
+@pytest.mark.parametrize("page, line, code", _cases(slow=True))
+def test_block_runs_under_torchrun(page, line, code, tmp_path):
+    ranks = TORCHRUN.match(code.lstrip().splitlines()[0]).group(1)
+    path = tmp_path / "block.py"
+    path.write_text(code)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    _run([*args, f"--nproc-per-node={ranks}", str(path)], str(path), timeout=600)
