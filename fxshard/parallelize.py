@@ -136,6 +136,24 @@ class ParallelModule(nn.Module):
         self._materialise(init_fn)
         self._programs: dict = {}
 
+    # ---- the model's own names, as torch's state-dict helpers read them -----------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        """The model's parameters under its own FQNs (no ``module.``), as in ``state_dict()``:
+        optimizers' named parameters and torch.distributed.checkpoint's ``get_state_dict(pm,
+        opt)`` see one set of names."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict's protocol for wrappers whose state dict drops
+        their own attribute: every top-level name of the model lives under ``module``."""
+        names = [n for n, _ in self.module.named_children()]
+        names += [n for n, _ in self.module.named_parameters(recurse=False)]
+        names += [n for n, _ in self.module.named_buffers(recurse=False)]
+        return {n: "module" for n in names}
+
     # ---- sharding the state ----------------------------------------------------------------------
     def _materialise(self, init_fn):
         model = self.module
@@ -353,6 +371,9 @@ class ParallelModule(nn.Module):
         prog = list(self._programs.values())[-1][0]
         return prog.forward_output_specs
 
+    # compiled already (per input shapes, with Inductor): torch.compile of it, or of a model that
+    # calls it, runs it as it is (a graph break around it) rather than tracing its machinery
+    @torch.compiler.disable
     def forward(self, *inputs):
         if self.uninitialised:
             raise RuntimeError(

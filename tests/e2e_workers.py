@@ -1171,6 +1171,7 @@ def parallelize_calls(rank, world):
 
     with torch.no_grad():
         check("no_grad", pm(x), ref(x))
+        check("torch.compile of it", torch.compile(pm)(x), ref(x))
     for step in range(2):  # training steps with a no_grad evaluation between them
         for m, opt in zip((ref, pm), opts):
             opt.zero_grad()
@@ -1178,6 +1179,17 @@ def parallelize_calls(rank, world):
             opt.step()
         with torch.no_grad():
             check(f"eval after step {step}", pm(x), ref(x))
+    # torch's state-dict helpers on the module and its optimizer: the model's own FQNs
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(pm, opts[1])
+    out["state_dict_keys"] = (
+        sorted(msd) == sorted(ref.state_dict()),
+        sorted(osd["param_groups"][0]["params"]),
+    )
+    set_state_dict(pm, opts[1], model_state_dict=msd, optim_state_dict=osd)
+    with torch.no_grad():
+        check("after set_state_dict", pm(x), ref(x))
     for p in pm.parameters():
         p.requires_grad_(False)
     check("frozen", pm(x), ref(x).detach())

@@ -584,3 +584,16 @@ def test_shard_trains_what_the_backend_trains(name):
     for fqn, q in ref.named_parameters():
         if q.grad is not None:
             _close(grads[fqn], q.grad, rtol=1e-4, msg=fqn)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_default_cache_is_a_clear_error_with_its_remedy(training):
+    """shard / parallelize of a causal LM called the default way (use_cache=True returns a
+    DynamicCache): an error that names the cache and the remedies, and the remedy works."""
+    model, plan, _, x, _ = _build("llama")
+    with pytest.raises(RuntimeError, match="returns a DynamicCache.*use_cache=False.*compile"):
+        fxshard.shard(model, MESH, plan, example_inputs=(x,), training=training)
+    model.config.use_cache = False
+    prog = fxshard.shard(model, MESH, plan, example_inputs=(x,))
+    with torch.no_grad():
+        _close(prog.simulate(x).logits, model(x).logits)

@@ -43,7 +43,17 @@ def test_parallelize_returns_global_outputs_with_and_without_autograd():
     """A vocab-parallel head under no_grad, with frozen parameters and between training steps
     returned one rank's half of the logits (silently)."""
     for rank_results in spawn(2, e2e_workers.parallelize_calls, timeout=300, collective_timeout=60):
-        assert set(rank_results) == {"no_grad", "eval after step 0", "eval after step 1", "frozen"}
+        same_keys, optimizer_keys = rank_results.pop("state_dict_keys")
+        assert same_keys  # get_state_dict(pm, opt): the model's own FQNs
+        assert optimizer_keys == ["body.bias", "body.weight", "head.bias", "head.weight"]
+        assert set(rank_results) == {
+            "no_grad",
+            "torch.compile of it",
+            "eval after step 0",
+            "eval after step 1",
+            "after set_state_dict",
+            "frozen",
+        }
         for name, (shape, err) in rank_results.items():
             assert shape == (4, 8, 100) and err is not None and err < 1e-5, (name, shape, err)
 

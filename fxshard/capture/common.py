@@ -206,7 +206,31 @@ def trace_error(module: nn.Module, e: BaseException, what: str = "trace") -> Run
             f"(torch.where) instead of boolean indexing, nonzero or `if` on a tensor. "
             f"(torch: {first})"
         )
+    returned = _UNKNOWN_OUTPUT.search(str(e))
+    if returned:
+        kind = returned.group(1).rsplit(".", 1)[-1]
+        cache = "Cache" in kind
+        return RuntimeError(
+            f"fxshard.capture: {name} returns a {kind}, which holds tensors fxshard cannot hand "
+            "back from a sharded program (fxshard.shard and fxshard.parallelize return tensors "
+            "and containers of them). "
+            + (
+                "transformers makes and returns this cache by default (use_cache=True): call the "
+                "model with use_cache=False (or set model.config.use_cache = False) where the "
+                "cache is not needed (training, scoring); to generate with it kept sharded "
+                'between calls use torch.compile(model, backend="fxshard", options=...) or '
+                'model.compile(backend="fxshard", options=...).'
+                if cache
+                else "Return its tensors (a tuple, dict or dataclass of tensors), or register "
+                "the type with torch.utils._pytree."
+            )
+            + f" (torch: {first})"
+        )
     return RuntimeError(f"fxshard.capture: could not {what} {name}{at}: {type(e).__name__}: {e}")
+
+
+# pytree's words for an output it cannot flatten (torch.export and AOTAutograd say the same)
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 
 
 def _at(node: fx.Node) -> str:
