@@ -208,7 +208,7 @@ def _compare(m, xs, hooked=None):
                 v = p.meta["val"]
                 args.append(
                     c.state[rec.fqn]
-                    if rec.kind in ("param", "buffer")
+                    if rec.kind in ("param", "buffer", "constant")
                     else xs[rec.input_index]
                     if rec.kind == "input"
                     else torch.randn(v.shape, generator=g)
