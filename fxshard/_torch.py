@@ -333,9 +333,10 @@ def dynamo_frame_locals() -> dict:
 
 def calling_modules() -> list:
     """Modules whose ``forward`` is running on the Python stack, outermost first
-    (``torch.compile``'d wrappers unwrapped).  After a graph break in a loop dynamo compiles
-    submodule frames on their own; the outermost module on the stack is then the model the plan
-    names FQNs in."""
+    (``torch.compile``'d wrappers unwrapped), up to the module that was compiled (a block compiled
+    on its own and called from an eager parent: the block).  After a graph break in a loop dynamo
+    compiles submodule frames on their own; the outermost module on the stack is then the model
+    the plan names FQNs in."""
     import sys
 
     import torch.nn as nn
@@ -345,10 +346,15 @@ def calling_modules() -> list:
     while f is not None:
         obj = f.f_locals.get("self")
         if isinstance(obj, nn.Module):
+            # the module torch.compile was given (an OptimizedModule's, or one compiled in place
+            # by Module.compile) is the top: modules that call it eagerly are not in its program
+            root = hasattr(obj, "_orig_mod") or getattr(obj, "_compiled_call_impl", None)
             obj = getattr(obj, "_orig_mod", obj)
             if id(obj) not in seen:
                 seen.add(id(obj))
                 out.append(obj)
+            if root:
+                break
         f = f.f_back
     return out[::-1]
 

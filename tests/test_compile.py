@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from models import MLP, ConvNet, Llama, example_input, init_weights, megatron_tp_plan, mlp_plan
 from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import fxshard
 from fxshard import zoo
@@ -630,3 +631,47 @@ def test_an_input_updated_in_place_is_written_back():
             _close(f(x, mine, pos), ref(x, theirs, pos))
         assert torch.equal(mine, theirs), t
     assert len(compiled_programs(n0)) == 1
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.o(torch.relu(self.q(x)))
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_a_block_compiled_on_its_own_reads_its_plan_from_the_block(how):
+    """Blocks compiled one by one, called from an eager parent: the plan names the block's own
+    submodules (it named the parent's before, and failed with _orig_mod suggestions)."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    ref = copy.deepcopy(model)
+    plan = {"q": ColwiseParallel(), "o": RowwiseParallel()}
+    options = {"mesh": fxshard.MeshSpec((2,), ("tp",)), "plan": plan, "simulate": True}
+    torch._dynamo.reset()
+    n0 = programs_built()
+    for i, block in enumerate(model.blocks):
+        if how == "torch.compile":
+            model.blocks[i] = torch.compile(block, backend="fxshard", options=options)
+        else:
+            block.compile(backend="fxshard", options=options)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-5)
+    progs = compiled_programs(n0)
+    assert progs and all([c.kind for c in p.collectives()] == ["all_reduce"] for p in progs)
