@@ -177,3 +177,11 @@ def test_a_graph_without_parameters_under_a_module_plan():
     torch.testing.assert_close(loss, want.detach())
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad)
+
+
+def test_an_unknown_tp_plan_style_names_fxshard_and_the_remedies():
+    with pytest.raises(
+        ValueError,
+        match="fxshard: plan entry 'fc1': unknown tp_plan style 'newest'.*ParallelStyle.*leave",
+    ):
+        fxshard.shard(MLP(), M2, {"fc1": "newest"}, example_inputs=(X,))

@@ -597,3 +597,86 @@ def test_the_default_cache_is_a_clear_error_with_its_remedy(training):
     prog = fxshard.shard(model, MESH, plan, example_inputs=(x,))
     with torch.no_grad():
         _close(prog.simulate(x).logits, model(x).logits)
+
+
+def _deepseek_v2():  # MLA attention (mla_kv_a_proj in its own tp_plan), MoE layers
+    cfg = T.DeepseekV2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1,
+    )  # fmt: skip
+    return T.DeepseekV2ForCausalLM(cfg)
+
+
+def _with(name, **entries):
+    def make():
+        model, plan, _, x, labels = _build(name)
+        return model, {**plan, **entries}, x, labels
+
+    return make
+
+
+def _own(factory):
+    def make():
+        torch.manual_seed(0)
+        model = factory().eval()
+        x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+        return model, model.tp_plan, x, x
+
+    return make
+
+
+ATTN = "model.layers.*.self_attn"
+# the styles of transformers 5.25's plans, each on a model that uses it, as those plans use it
+NEW_STYLES = {
+    "embedding_colwise": _with("llama", **{"model.embed_tokens": "embedding_colwise"}),
+    "unit_colwise+unit_rowwise": _with(
+        "qwen3",
+        **{f"{ATTN}.{p}_proj": "unit_colwise" for p in "qkv"},
+        **{f"{ATTN}.o_proj": "unit_rowwise"},
+    ),
+    "local_params": _with("llama", **{ATTN: "local_params"}),
+    "mla_kv_a_proj": _own(_deepseek_v2),
+    "ep_dispatch_experts": _with(
+        "mixtral",
+        **{
+            "model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+            "model.layers.*.mlp.experts.down_proj": "grouped_gemm",
+            "model.layers.*.mlp.experts": "ep_dispatch_experts",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("style", list(NEW_STYLES))
+def test_the_styles_of_the_newest_transformers(style):
+    """Forward and labels= training on 4 simulated ranks against single device, with the plan
+    the style is in."""
+    model, plan, x, labels = NEW_STYLES[style]()
+    names = [s for s in plan.values() if isinstance(s, str)]
+    assert all(part in names for part in style.split("+")), plan
+    if style == "ep_dispatch_experts":  # transformers' EP plan: no TP entries besides
+        plan = {k: v for k, v in plan.items() if v in ("grouped_gemm", "ep_dispatch_experts")}
+    wrapped = Logits(model, "text")
+    prog = fxshard.shard(wrapped, MESH, _prefixed(plan, model), example_inputs=(x,))
+    assert not prog.warnings, prog.warnings
+    with torch.no_grad():
+        _close(prog.simulate(x), wrapped(x))
+    if style == "ep_dispatch_experts":  # the experts are regions, split by experts
+        assert _experts_nodes(prog), "no experts region"
+    model.train()
+    labels = labels.clone()
+    labels[0, :2] = -100
+    ref = WithLabels(copy.deepcopy(model))
+    want = ref(x, labels)
+    want.backward()
+    train = fxshard.shard(
+        WithLabels(model), MESH, _prefixed(plan, model), example_inputs=(x, labels), training=True
+    )
+    loss, grads = train.simulate(x, labels)
+    _close(loss, want)
+    for fqn, q in ref.named_parameters():
+        if q.grad is not None:
+            _close(grads[fqn], q.grad, rtol=1e-4, msg=fqn)

@@ -112,7 +112,14 @@ def _decompositions():
     for op in list(table.keys()):
         if "scaled_dot_product" in str(op):
             del table[op]
+    # functionalised slice writes (`buf[..., :k].copy_(x)`: DeepSeek's MLA keys) leave aten.copy,
+    # which has no sharding rule: it is its source, cast and broadcast to the destination
+    table[torch.ops.aten.copy.default] = _copy
     return table
+
+
+def _copy(self, src, non_blocking=False):
+    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')

@@ -98,6 +98,22 @@ HF_STYLES = {
     # matmuls compute only a rank's experts), so the router is an ordinary replicated layer
     "ep_router": lambda: "replicate",
     "grouped_gemm": lambda: "grouped_gemm",  # (a parameter style: experts' weights, dim 0)
+    # transformers 5.25's styles.  An embedding split along its hidden dim, its rows gathered:
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    # whole heads per rank on a "unit" mesh (heads replicated where ranks outnumber them): the
+    # weights split along their head dim; fxshard places the attention between them itself
+    "unit_colwise": lambda: ColwiseParallel(),
+    "unit_rowwise": lambda: RowwiseParallel(),
+    # MLA's kv_a_proj: a replicated layer whose output is split into a part that goes through a
+    # colwise layer and one that does not; the style only all-reduces the second part's gradient,
+    # which the global program has whole by construction
+    "mla_kv_a_proj": lambda: "replicate",
+    # runs a module on its parameters' local shards; the parameters' own entries place them, and
+    # the global program computes the module as it is: nothing to pin
+    "local_params": lambda: "local_params",
+    # whole experts per rank, tokens dispatched to them (the grouped_gemm entries split the
+    # weights): the experts region of capture, whose rule offers the dispatch
+    "ep_dispatch_experts": lambda: "ep_dispatch_experts",
 }
 
 # styles whose layers fxshard has no rules for yet, and what each would need
@@ -105,7 +121,6 @@ HF_STYLES_NOT_YET = {
     "megamoe_router": "MegaMoE routing (data-dependent token dispatch)",
     "megamoe_experts": "MegaMoE experts (grouped_mm rules)",
     "moe_identity_expert": "MoE identity experts (expert routing)",
-    "mla_kv_a_proj": "MLA's split kv_a_proj (a colwise layer whose output is split unevenly)",
 }
 
 
@@ -202,8 +217,11 @@ def resolve_plan(
                 )
             if style not in HF_STYLES:
                 raise ValueError(
-                    f"plan entry {pattern!r}: unknown tp_plan style {style!r}; "
-                    f"known: {sorted(HF_STYLES)}"
+                    f"fxshard: plan entry {pattern!r}: unknown tp_plan style {style!r} (a style of "
+                    "a transformers release newer than fxshard knows?); replace the entry with a "
+                    "torch ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...) or a known "
+                    "style, or leave it out (fxshard then places that layer itself); known: "
+                    f"{sorted(HF_STYLES)}"
                 )
             style = HF_STYLES[style]()
         # "" is the model itself (a plan for a bare nn.Linear)
@@ -362,6 +380,16 @@ def _apply_style(out: PlanConstraints, fqn: str, mod: nn.Module, style, prov: st
         need(1, 1)
         out.boundaries[f"{fqn}:in:0"] = (Replicate(), prov)
         out.boundaries[f"{fqn}:out:0"] = (Replicate(), prov)
+    elif style == "local_params":
+        pass  # the parameters' own plan entries place them
+    elif style == "ep_dispatch_experts":
+        if experts_module(mod) is None:
+            raise ValueError(
+                f"{prov}: ep_dispatch_experts applies to a transformers experts module (fused "
+                f"3-D expert weights, forward(hidden_states, top_k_index, top_k_weights)), but "
+                f"{fqn!r} is {type(mod).__name__}"
+            )
+        out.experts[fqn] = mod
     elif style == "grouped_gemm":
         raise ValueError(
             f"{prov}: grouped_gemm shards a fused experts' weight parameters (entries such as "
