@@ -1102,7 +1102,8 @@ def hf_train(rank, world, names, steps=3):
     """For each transformers architecture of tests/test_hf.py: ``steps`` AdamW steps of
     ``model(x, labels=...).loss`` (transformers' own cross-entropy, some labels -100) through
     torch.compile(backend="fxshard") on real ranks with Inductor, a no_grad default call between
-    steps; the worst relative error of losses, logits and weights against single device."""
+    steps, then greedy generate(); the worst relative error of losses, logits and weights against
+    single device, and whether generate gave single device's tokens."""
     import copy
 
     import test_hf
@@ -1132,7 +1133,12 @@ def hf_train(rank, world, names, steps=3):
             with torch.no_grad():
                 errs.append(_rel(f(x).logits, ref(x).logits))
         errs += [_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
-        out.append((name, max(errs)))
+        # greedy generate() after training: the tokens of single device
+        mask = torch.ones_like(x)
+        with torch.no_grad():
+            got = f.generate(x, attention_mask=mask, max_new_tokens=3, do_sample=False)
+            want = ref.generate(x, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        out.append((name, max(errs), bool(torch.equal(got, want))))
     return out
 
 
