@@ -570,6 +570,12 @@ def test_shard_trains_what_the_backend_trains(name):
     """fxshard.shard(training=True) (parallelize's capture): transformers' mask helpers and tensor
     constants (Gemma-2) traced as under dynamo; the loss and every gradient of single device."""
     model, plan, _, x, labels = _build(name)
+    _shard_trains(model, plan, x, labels)
+
+
+def _shard_trains(model, plan, x, labels):
+    """shard(training=True) of ``model(input_ids=x, labels=...)`` (a few labels -100), simulated:
+    the loss and every gradient of single device."""
     model.train()
     labels = labels.clone()
     labels[0, :2] = -100
@@ -666,17 +672,4 @@ def test_the_styles_of_the_newest_transformers(style):
         _close(prog.simulate(x), wrapped(x))
     if style == "ep_dispatch_experts":  # the experts are regions, split by experts
         assert _experts_nodes(prog), "no experts region"
-    model.train()
-    labels = labels.clone()
-    labels[0, :2] = -100
-    ref = WithLabels(copy.deepcopy(model))
-    want = ref(x, labels)
-    want.backward()
-    train = fxshard.shard(
-        WithLabels(model), MESH, _prefixed(plan, model), example_inputs=(x, labels), training=True
-    )
-    loss, grads = train.simulate(x, labels)
-    _close(loss, want)
-    for fqn, q in ref.named_parameters():
-        if q.grad is not None:
-            _close(grads[fqn], q.grad, rtol=1e-4, msg=fqn)
+    _shard_trains(model, plan, x, labels)
