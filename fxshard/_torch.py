@@ -948,10 +948,11 @@ def contiguous_strides(shape: Sequence) -> tuple:
 
 def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
     """{flat output index: "Class.attribute"} of the graph's outputs that dynamo's code stores into
-    an attribute of a plain Python object that existed before the call (a cache layer's
-    ``self.keys = torch.cat(...)``); not modules, not dict-like model outputs, not objects the
-    call creates.  Valid inside a backend call
-    (dynamo's side effects of the frame being compiled); empty elsewhere."""
+    an attribute of a plain Python object: one that existed before the call (a cache layer's
+    ``self.keys = torch.cat(...)``) or one the call creates and returns (the ``DynamicCache`` of a
+    transformers model called the default way, a user's cache or dataclass of outputs); not
+    modules, not dict-like model outputs (``ModelOutput``), lists or tuples.  Valid inside a
+    backend call (dynamo's side effects of the frame being compiled); empty elsewhere."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._dynamo.variables import TensorVariable, UserDefinedObjectVariable
 
@@ -962,7 +963,7 @@ def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     index = {n: k for k, n in enumerate(outs) if isinstance(n, fx.Node)}
     found = {}
-    from torch._dynamo.variables.base import AttributeMutationExisting
+    from torch._dynamo.variables.base import AttributeMutation
 
     for obj, attrs in tx.output.side_effects.store_attr_mutations.items():
         value = getattr(obj, "value", None)
@@ -970,9 +971,9 @@ def attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
             value, (torch.nn.Module, dict, list, tuple)
         ):
             continue
-        # objects that existed before the call (state); one the call makes is its result (a
-        # dataclass of outputs, a cache it creates): handed back as the outputs are
-        if not isinstance(getattr(obj, "mutation_type", None), AttributeMutationExisting):
+        # objects that existed before the call (state), and objects the call makes (its result:
+        # the cache a default call creates); not a mutation dynamo only tracks
+        if not isinstance(getattr(obj, "mutation_type", None), AttributeMutation):
             continue
         for name, v in attrs.items():
             if not isinstance(v, TensorVariable):

@@ -47,7 +47,9 @@ and parameters; see ``fxshard.runtime.agree``), ``search`` (``"global"``, the de
 placements the plan leaves free are chosen by one solve over the graph; ``"greedy"``: op by op),
 ``outputs`` (``"global"``, the default, or ``"dtensor"``), ``output_placements``, ``state``
 (``"sharded"``, the default: tensors a graph stores into attributes of plain objects, a KV
-cache's keys and values, come back as ``KeptTensor``s where the program left them sharded: this
+cache's keys and values, whether the object existed before the call or the call creates it (the
+default call's ``DynamicCache``), come back outside autograd as ``KeptTensor``s where the program
+left them sharded: this
 rank's shard to the next program, the global tensor to eager code, which gathers it on use; and
 KeptTensors a graph updates in place stay sharded; ``"global"``: gathered.
 ``fxshard.runtime.boundary``).
@@ -491,7 +493,13 @@ class ShardedGraph:
             out.append(a)
         return tuple(out)
 
-    def _output_placements(self) -> list:
+    def _kept(self, training: bool) -> dict:
+        """The outputs handed back as KeptTensors where sharded: tensors stored into objects'
+        attributes, not under autograd (a KeptTensor has no autograd history: a training graph's
+        state and results come back global, as its other outputs do)."""
+        return {} if training else self.stored
+
+    def _output_placements(self, training: bool) -> list:
         """Per output: the placements asked for, None where the program's own (reduced) placement
         is handed back (a DTensor, or a KeptTensor for state stored into an attribute),
         replicated where a global tensor is."""
@@ -507,14 +515,14 @@ class ShardedGraph:
         out = []
         for k in range(self.num_outputs):
             g = given[k] if k < len(given) else None
-            if g is None and self.opts.outputs == "global" and k not in self.stored:
+            if g is None and self.opts.outputs == "global" and k not in self._kept(training):
                 # the global value, or a DTensor where eager would return one (simulated ranks:
                 # global values)
                 g = replicated if self.opts.simulate else AS_EAGER
             out.append(g)
         return out
 
-    def _output_wrapper(self, prog):
+    def _output_wrapper(self, prog, training: bool):
         """The outputs asked for as DTensors wrapped (this rank's shard, the program's spec); state
         stored into attributes as KeptTensors where sharded."""
         given = self.opts.output_placements or ()
@@ -529,7 +537,7 @@ class ShardedGraph:
         wrap = output_wrapper(specs, self.opts.mesh, as_dtensor)
         keep = [
             k
-            for k in self.stored
+            for k in self._kept(training)
             if k < len(specs) and not as_dtensor[k] and specs[k] is not None
             and any(not isinstance(p, Replicate) for p in specs[k].placements)
         ]  # fmt: skip
@@ -653,7 +661,7 @@ class ShardedGraph:
             roots=self.roots,
             sources=self.sources,
             training=training,
-            output_placements=self._output_placements(),
+            output_placements=self._output_placements(training),
             arg_specs=dt_specs,
             # DTensor arguments (KeptTensors are plain tensors to eager code)
             dtensor_args=frozenset(i for i in dt_specs if is_dtensor(raw_args[i])),
@@ -710,7 +718,7 @@ class ShardedGraph:
         fqns = [info(p).fqn for p in prog.placeholders]
         state = prog.captured.state
         check = self._agreement(prog, compiled.agreement)
-        wrap = self._output_wrapper(prog)
+        wrap = self._output_wrapper(prog, training=False)
         updated_inputs = {r.what for r in prog.output_roles() if r.kind == "mutate_input"}
         # KeptTensors the program updates in place: into their shard (sharded ones), or into a new
         # shard they then hold in the program's placement (fxshard.kept's, replicated until now)
@@ -869,7 +877,7 @@ class ShardedGraph:
         check = self._agreement(prog, compiled.agreement)
 
         specs = compiled.primal_specs
-        wrap = self._output_wrapper(prog)
+        wrap = self._output_wrapper(prog, training=True)
 
         def run(a):
             with fail_together(f"the sharded program of {prog.name}"):

@@ -820,7 +820,8 @@ def own_cache_state(rank, world):
         logger.removeHandler(handler)
         logger.setLevel(level)
     out["hint"] = [m for m in said if "fxshard.kept" in m]
-    # a dataclass the model returns is its result, not state: its tensors come back global
+    # a dataclass the model returns (an object the call creates) holds its sharded tensors as
+    # KeptTensors too (no gather unless read); under autograd plain global tensors
     torch._dynamo.reset()
 
     @dataclasses.dataclass
@@ -843,6 +844,12 @@ def own_cache_state(rank, world):
     with torch.no_grad():
         o = f(xs[0])
         out["dataclass"] = (type(o.y).__name__, _rel(o.y, net(xs[0]).y))
+    o = f(xs[0])
+    o.y.pow(2).sum().backward()
+    grad = net.h.weight.grad.clone()
+    net.zero_grad()
+    net(xs[0]).y.pow(2).sum().backward()
+    out["dataclass_grad"] = (type(o.y).__name__, _rel(grad, net.h.weight.grad))
     return out
 
 
@@ -1297,4 +1304,63 @@ def lone_read(rank, world, timeout_s):
         except Exception as e:  # noqa: BLE001 - the test reads what each rank got
             out["error"] = f"{type(e).__name__}: {e}"
         out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _comm_counts(fn, *args, **kwargs) -> dict:
+    """{collective: count} torch runs in ``fn(*args, **kwargs)`` (torch's CommDebugMode: DTensor's
+    functional collectives and c10d's in-place ones, which transformers' own TP hooks call)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        fn(*args, **kwargs)
+    return {str(op).split(".")[-1].rstrip("_"): n for op, n in mode.get_comm_counts().items()}
+
+
+def hf_default_call(rank, world, names):
+    """transformers causal LMs called the default way (``model(input_ids)``: the model creates a
+    DynamicCache and returns it) through the backend on gloo ranks: the collectives of the prefill
+    and of a decode step that takes the returned cache, against transformers' own TP
+    (``apply_tensor_parallelism``, counted by CommDebugMode) in the same run; the logits and the
+    returned cache against single device, and what the cache's tensors are."""
+    import copy
+
+    import test_hf
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from fxshard.backend import compiled_programs, programs_built
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for name in names:
+        torch._dynamo.reset()
+        ref, plan, _, x, _ = test_hf._build(name)
+        f = torch.compile(copy.deepcopy(ref), backend="fxshard", options={"mesh": dm, "plan": plan})
+        hf = apply_tensor_parallelism(copy.deepcopy(ref), dm)
+        with torch.no_grad():
+            want = ref(x)
+            nxt = want.logits[:, -1:].argmax(-1)
+            kv = [(lay.keys.clone(), lay.values.clone()) for lay in want.past_key_values.layers]
+            want2 = ref(nxt, past_key_values=want.past_key_values)
+            n0 = programs_built()
+            got = f(x)
+            cache = got.past_key_values
+            kept = [t for lay in cache.layers for t in (lay.keys, lay.values)]
+            kinds = sorted({type(t).__name__ for t in kept})
+            errs = [_rel(got.logits, want.logits)]
+            for a, (k, v) in zip(cache.layers, kv):
+                errs += [_rel(a.keys * 1, k), _rel(a.values * 1, v)]
+            errs.append(_rel(f(nxt, past_key_values=cache).logits, want2.logits))
+            ours = [
+                sum(1 for c in p.collectives() if c.phase == "forward")
+                for p in compiled_programs(n0)
+            ]
+            first = hf(x)
+            theirs = [
+                sum(_comm_counts(hf, x).values()),
+                sum(_comm_counts(hf, nxt, past_key_values=first.past_key_values).values()),
+            ]
+        out[name] = dict(err=max(errs), kinds=kinds, ours=ours, torch=theirs)
     return out

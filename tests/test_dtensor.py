@@ -243,8 +243,9 @@ def test_a_users_cache_object_stays_sharded_between_calls():
     tensors (whose identity is the caller's) it is written back global every call, and the
     backend says how to keep it sharded.  Eager code on a kept cache: a write through a view
     lands (the tensor is then gathered for good), .tolist(), deepcopy, torch.save (the global
-    tensor), an in-place shape change refused; a dataclass the model returns holds plain global
-    tensors (a result, not state)."""
+    tensor), an in-place shape change refused; a dataclass the model returns (an object the call
+    creates) holds its sharded tensors as KeptTensors as well, and plain global tensors under
+    autograd."""
     for r in spawn(2, e2e_workers.own_cache_state, timeout=600):
         for way in ("inside", "kept"):
             w = r[way]
@@ -262,7 +263,9 @@ def test_a_users_cache_object_stays_sharded_between_calls():
         assert w["view_write"] < 1e-5 and w["viewed"] == ("KeptTensor", True, True), w
         assert w["tolist"] < 1e-6 and w["deepcopy"] < 1e-6 and w["saved"][0] == "Tensor", w
         assert w["saved"][1] < 1e-6 and "out-of-place" in w["transpose_"], w
-        assert r["dataclass"][0] == "Tensor" and r["dataclass"][1] < 1e-5, r["dataclass"]
+        assert r["dataclass"][0] == "KeptTensor" and r["dataclass"][1] < 1e-5, r["dataclass"]
+        grad = r["dataclass_grad"]
+        assert grad[0] == "Tensor" and grad[1] < 1e-5, grad
 
 
 @pytest.mark.slow

@@ -83,3 +83,21 @@ def test_a_read_one_rank_makes_alone_fails_clearly_instead_of_hanging():
         assert r["kept"] == "KeptTensor" and r["joint read"] < 1e-4, r
         assert r["error"] is not None and r["seconds"] < 60, (rank, r)
     assert "read" in results[0]["error"] and "t.local" in results[0]["error"], results[0]
+
+
+@pytest.mark.slow
+def test_the_default_call_returns_its_cache_sharded_and_costs_torch_tps_collectives():
+    """``model(input_ids)`` creates a DynamicCache and returns it: its keys and values come back as
+    each rank's heads (KeptTensors, single device's values when read), not gathered at the end of
+    every call, so the prefill and the decode step that takes the cache back run no more
+    collectives than transformers' own TP (they gathered 2 per layer)."""
+    names = ["llama", "gemma2", "phi3", "mixtral"]
+    # phi3's plan gathers its packed qkv_proj (colwise_gather_output): a replicated, plain cache
+    kept = {"llama": ["KeptTensor"], "gemma2": ["KeptTensor"], "phi3": ["Tensor"],
+            "mixtral": ["KeptTensor"]}  # fmt: skip
+    for r in spawn(2, e2e_workers.hf_default_call, names, timeout=600, collective_timeout=60):
+        assert list(r) == names
+        for name, got in r.items():
+            assert got["err"] < 1e-4 and got["kinds"] == kept[name], (name, got)
+            assert len(got["ours"]) == 2, (name, got)  # prefill, decode
+            assert all(o <= t for o, t in zip(got["ours"], got["torch"])), (name, got)
