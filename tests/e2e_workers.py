@@ -1060,11 +1060,15 @@ def train_losses(rank, world, cases, steps=3):
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from fxshard.backend import compiled_programs, programs_built
+
     dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
-    for loss, where, optimizer in cases:
+    for loss, where, optimizer, *plan_name in cases:
         torch._dynamo.reset()
-        llama = zoo.init_weights(zoo.Llama(zoo.LlamaConfig()), seed=0)
+        n0 = programs_built()
+        vocab = 8192 if plan_name == ["vocab"] else 128  # logits of 1 MiB
+        llama = zoo.init_weights(zoo.Llama(zoo.LlamaConfig(vocab_size=vocab)), seed=0)
         (x,) = zoo.example_input(llama, generator=torch.Generator().manual_seed(1))
         g = torch.Generator().manual_seed(2)
         if loss == "mse":
@@ -1072,7 +1076,9 @@ def train_losses(rank, world, cases, steps=3):
         else:
             y = torch.randint(0, llama.cfg.vocab_size, x.shape, generator=g)
             y[0, :3] = 3  # ignored positions
-        plan = zoo.megatron_tp_plan()
+        # "vocab": the logits leave the head vocab-sharded (loss parallel where the loss is in
+        # the graph)
+        plan = zoo.vocab_parallel_plan() if plan_name == ["vocab"] else zoo.megatron_tp_plan()
         if where == "inside":  # the loss in the compiled graph
             ref = WithLoss(llama, loss)
             plan = {f"model.{k}": v for k, v in plan.items()}
@@ -1101,7 +1107,16 @@ def train_losses(rank, world, cases, steps=3):
             for m in (ref, model):
                 m.train()
         errs += [_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
-        out.append((loss, where, optimizer, max(errs)))
+        # the largest tensor a training program's forward collectives move (its backward gathers
+        # the parameters' gradients to the global ones the backend returns)
+        moved = max(
+            c.bytes
+            for p in compiled_programs(n0)
+            if p.training
+            for c in p.collectives()
+            if c.phase == "forward"
+        )
+        out.append((loss, where, optimizer, max(errs), moved))
     return out
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import MLP, ConvNet, Llama, example_input, init_weights, megatron_tp_plan, mlp_plan
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils.checkpoint import checkpoint
 
 import fxshard
@@ -354,3 +356,51 @@ def test_batchnorm_running_stats_update_is_an_error():
     )
     with pytest.raises(Exception, match=r"1\.running_mean.*do not apply in-place"):
         f(torch.randn(8, 4)).sum().backward()
+
+
+class _VocabLoss(nn.Module):
+    """Hidden states -> a vocab-parallel head -> a loss people train with."""
+
+    def __init__(self, loss, dim=32, vocab=2000):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.loss = loss
+
+    def forward(self, h, y):
+        logits = self.head(self.norm(h)).float()
+        return self.loss(logits.flatten(0, 1), y.flatten())
+
+
+_LOSSES = {
+    "ce": lambda z, y: F.cross_entropy(z, y),
+    "ce_ignore_smoothing": lambda z, y: F.cross_entropy(
+        z, y, ignore_index=-100, label_smoothing=0.1
+    ),
+    "ce_sum": lambda z, y: F.cross_entropy(z, y, reduction="sum"),
+    "ce_none": lambda z, y: F.cross_entropy(z, y, reduction="none", ignore_index=-100).sum(),
+    "log_softmax_nll": lambda z, y: F.nll_loss(F.log_softmax(z, -1), y, ignore_index=-100),
+}
+
+
+@pytest.mark.parametrize("loss", list(_LOSSES))
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_a_loss_on_vocab_sharded_logits_is_computed_on_the_shards(loss, mesh):
+    """Loss parallel found by the compiler: a cross-entropy (or log_softmax + nll_loss) of logits
+    left vocab-sharded by the plan takes each row's max and sum of exponentials across ranks and
+    the target's logit from the rank holding it, so no collective moves a (tokens x vocab)
+    tensor, forward or backward (it moved the logits by all-to-all, twice); loss and gradients are
+    single device's (targets on every shard, some ignored)."""
+    torch.manual_seed(0)
+    model = _VocabLoss(_LOSSES[loss])
+    h = torch.randn(4, 32, 32)
+    y = torch.randint(0, 2000, (4, 32))
+    if loss in ("ce_ignore_smoothing", "ce_none", "log_softmax_nll"):
+        y[0, :3] = -100
+    # (2, 2): the plan on the last mesh dim (tp), batch on the other
+    plan = {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    prog = _check(model, fxshard.MeshSpec(mesh, names=("dp", "tp")[-len(mesh) :]), plan, (h, y))
+    shard_bytes = 4 * 32 * 2000 * 4 // mesh[-1]  # logits of 1 MB: moving them costs
+    tp = len(mesh) - 1  # (on the batch dim the planner may gather a gradient for its weight's)
+    moved = [c for c in prog.collectives() if tp in c.mesh_dims and c.bytes >= shard_bytes // 4]
+    assert not moved, prog.explain()

@@ -115,6 +115,13 @@ def _decompositions():
     # functionalised slice writes (`buf[..., :k].copy_(x)`: DeepSeek's MLA keys) leave aten.copy,
     # which has no sharding rule: it is its source, cast and broadcast to the destination
     table[torch.ops.aten.copy.default] = _copy
+    # log_softmax as max, exp, sum and log (its backward is decomposed already): over a split dim
+    # (vocab-sharded logits) these are partial reductions of a value per row, so a cross-entropy
+    # is computed on the shards (loss parallel) instead of moving the logits
+    from torch._decomp import decomposition_table as torch_decompositions
+
+    log_softmax = torch.ops.aten._log_softmax.default
+    table[log_softmax] = torch_decompositions[log_softmax]
     return table
 
 

@@ -42,7 +42,7 @@ from ..core.spec import ShardingSpec, is_even, local_extent, mesh_coords, placem
 from ..ir import BOUNDARY, Collective, NodeKind, backward_nodes, info
 from ..planner import plan_in_program, plan_is_even
 from ..planner.execute import MeshGroups, execute_plan
-from ..rules import EMBEDDING, SHAPE_RANDOM_OPS
+from ..rules import EMBEDDING, GATHER, SCATTER_OPS, SHAPE_RANDOM_OPS
 from ..rules.experts import (
     MOE_EXPERTS_BACKWARD,
     MOE_EXPERTS_DISPATCH,
@@ -246,6 +246,15 @@ class _LocalInterpreter(fx.Interpreter):
             first = _index_tensor(_first_index(rec.spec, self.coord))
             count = self.local_shape(rec.spec)[0]
             return GROUPED_MM_WEIGHT_GRAD_EXPERTS(*args, first, count)
+        if (n.target is GATHER or n.target in SCATTER_OPS) and _split_along(n, rec):
+            # loss parallel: entries of a tensor split along the indexed dim (the vocabulary),
+            # gathered or written where this rank holds them (rules.own)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            x, dim = args[0], args[1] % args[0].ndim
+            first = _first_index(rec.input_specs[0], self.coord, dim)
+            if n.target is GATHER:
+                return _vocab_parallel_gather(x, dim, args[2], first)
+            return _vocab_parallel_scatter(n.target, x, dim, args[2], args[3], first)
         if n.target is EMBEDDING and rec.input_specs and rec.input_specs[0].levels[0]:
             # the weight's rows (the vocabulary) are sharded: a masked local lookup, summed by the
             # plan
@@ -363,20 +372,20 @@ def _sharded(spec) -> bool:
     return any(isinstance(s, ShardingSpec) and s.num_shards > 1 for s in specs)
 
 
-def _first_index(spec: ShardingSpec, coord):
-    """The global index of this rank's first row of ``spec``'s dim 0 (its length where the rank
-    holds none): coordinate arithmetic on the traced coordinate (even rows), else per rank
+def _first_index(spec: ShardingSpec, coord, dim: int = 0):
+    """The global index of this rank's first row of ``spec``'s dim ``dim`` (its length where the
+    rank holds none): coordinate arithmetic on the traced coordinate (even rows), else per rank
     (torch.chunk's layout)."""
     if _traced(coord):  # even rows: offset = coordinate x rows per rank, as index arithmetic
-        n = spec.shape[0]
+        n = spec.shape[dim]
         offset = None
-        for m, _sf in spec.levels[0]:
+        for m, _sf in spec.levels[dim]:
             k = spec.mesh.shape[m]
             n = n // k
             term = coord[m] * n
             offset = term if offset is None else offset + term
         return offset
-    return per_rank(_first_row)(spec, coord)
+    return per_rank(_first_row)(spec, coord, dim)
 
 
 def _index_tensor(index):
@@ -404,9 +413,42 @@ def _vocab_parallel_embedding(weight, indices, wspec, coord):
     return out.masked_fill(mask.unsqueeze(-1), 0)
 
 
-def _first_row(wspec: ShardingSpec, coord) -> int:
-    rows = wspec.local_indices(coord, 0)
-    return rows[0] if rows else wspec.shape[0]
+def _first_row(wspec: ShardingSpec, coord, dim: int = 0) -> int:
+    rows = wspec.local_indices(coord, dim)
+    return rows[0] if rows else wspec.shape[dim]
+
+
+def _split_along(n: fx.Node, rec) -> bool:
+    """A gather / scatter whose ``self`` is split along the dim it indexes."""
+    spec = rec.input_specs[0] if rec.input_specs else None
+    if not isinstance(spec, ShardingSpec) or not spec.shape:
+        return False
+    return bool(spec.levels[n.args[1] % len(spec.shape)])
+
+
+def _masked_local(index, first, size):
+    """The local positions of global ``index`` entries in a block of ``size`` starting at
+    ``first``, and where they fall outside it."""
+    local = index - first
+    return local, (local < 0) | (local >= size)
+
+
+def _vocab_parallel_gather(x, dim, index, first):
+    """Entries outside this rank's slice of ``dim`` gather zeros; the sum over ranks is the
+    gather (uneven slices: torch.chunk's layout; an empty slice: all masked)."""
+    local, mask = _masked_local(index, first, x.shape[dim])
+    if x.shape[dim] == 0:
+        x = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))
+    return aten.gather.default(x, dim, local.masked_fill(mask, 0)).masked_fill(mask, 0)
+
+
+def _vocab_parallel_scatter(op, x, dim, index, value, first):
+    """Entries outside this rank's slice of ``dim`` write into a spare slot, dropped after."""
+    n = x.shape[dim]
+    local, mask = _masked_local(index, first, n)
+    spare = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))
+    out = op(torch.cat([x, spare], dim), dim, local.masked_fill(mask, n), value)
+    return out.narrow(dim, 0, n)
 
 
 def lower_to_local(

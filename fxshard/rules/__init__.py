@@ -22,9 +22,11 @@ from .own import (
     CONVOLUTION_OPS,
     EMBEDDING,
     FACTORY_OPS,
+    GATHER,
     INDEX_PUT_OPS,
     POOL_OPS,
     RESHAPE_OPS,
+    SCATTER_OPS,
     SDPA_OPS,
     SHAPE_RANDOM_OPS,
     SQUEEZE_DIMS,
@@ -34,12 +36,14 @@ from .own import (
     VALUE_RANDOM_OPS,
     batch_candidates,
     embedding_candidates,
+    gather_candidates,
     grouped_mm_candidates,
     grouped_mm_weight_grad_candidates,
     index_put_candidates,
     is_grouped_mm,
     is_grouped_mm_weight_grad,
     pool_candidates,
+    scatter_candidates,
     sdpa_candidates,
     shape_random_candidates,
     squeeze_dims_candidates,
@@ -132,6 +136,10 @@ def _candidates(op, args, kwargs, device_mesh, input_placements) -> list | str |
         return sdpa_candidates(op, args, kwargs, device_mesh, input_placements)
     if op == EMBEDDING:
         return embedding_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op == GATHER:
+        return gather_candidates(op, args, kwargs, device_mesh, input_placements)
+    if op in SCATTER_OPS:
+        return scatter_candidates(op, args, kwargs, device_mesh, input_placements)
     if is_grouped_mm(op):
         return grouped_mm_candidates(op, args, kwargs, device_mesh, input_placements)
     if is_grouped_mm_weight_grad(op):
@@ -231,6 +239,8 @@ __all__ = [
     "has_single_dim_rule",
     "single_dim_rule_count",
     "EMBEDDING",
+    "GATHER",
+    "SCATTER_OPS",
     "FACTORY_OPS",
     "SDPA_OPS",
 ]

@@ -5,6 +5,10 @@
 * tensor factories (arange, full, zeros...): replicated;
 * vocab-parallel embedding: DTensor's ``_MaskPartial`` is replaced by plain ``Partial(sum)`` and a
   masked local lookup at lowering time;
+* loss parallel: ``gather`` from a tensor split along the gathered dim (a cross-entropy's target
+  logit from vocab-sharded log-probabilities) as a masked local gather summed over ranks, and
+  ``scatter`` into one (its backward) as a masked local scatter, so a loss on vocab-sharded
+  logits moves no logit-sized tensor;
 * ops DTensor rules only from a later torch release on (pooling, group norm, ``squeeze.dims``,
   shape-only random ops in torch 2.11), used where DTensor has no rule.
 """
@@ -44,6 +48,8 @@ FACTORY_OPS = {
     aten.randn.default,
 }
 EMBEDDING = aten.embedding.default
+GATHER = aten.gather.default
+SCATTER_OPS = frozenset({aten.scatter.value, aten.scatter.src})
 
 # Random ops whose draws depend on their inputs' shapes only (the input is a shape / dtype template,
 # or is multiplied by a mask drawn for its shape): sharded, each rank draws the whole global tensor
@@ -179,6 +185,70 @@ def embedding_candidates(
             continue
         keep.append(((w, idx), (o,)))
     return keep
+
+
+def _along(op, args, kwargs, device_mesh: DeviceMesh, input_placements, options) -> list:
+    """DTensor's candidates for ``op`` plus, per mesh dim, ``options`` (tuples of placements: the
+    op's tensor inputs, then its output; the first is the one fxshard adds): every combination
+    that uses it on some mesh dim."""
+
+    def masked(c) -> bool:  # DTensor's own _MaskPartial (lowered by fxshard as Partial(sum))
+        return any(
+            type(p).__name__ == "_MaskPartial" for side in c for plc in side if plc for p in plc
+        )
+
+    cands = dtensor_candidates(op, args, kwargs, device_mesh, input_placements) or []
+    base = [c for c in cands if not masked(c)]
+    n_in = len(options[0]) - 1
+    rep = (Replicate(),) * (n_in + 1)
+    for combo in itertools.product(*[[rep, *options] for _ in range(device_mesh.ndim)]):
+        if all(c is not options[0] for c in combo):
+            continue
+        ins = tuple(tuple(c[i] for c in combo) for i in range(n_in))
+        base.append((ins, (tuple(c[n_in] for c in combo),)))
+    return base
+
+
+def gather_candidates(op, args, kwargs, device_mesh: DeviceMesh, input_placements) -> list:
+    """``gather(self, dim, index)`` with ``self`` split along ``dim`` (its vocabulary) and the index
+    whole there: each rank gathers the entries it holds, zeros elsewhere, and the sum over ranks
+    is the gather (``Partial(sum)``; lowered as a masked local gather)."""
+    x, dim = args[0], args[1] % max(args[0].ndim, 1)
+    if x.ndim == 0 or x.shape[dim] < 1:
+        return dtensor_candidates(op, args, kwargs, device_mesh, input_placements)
+    # other dims split alike on self, index and output (tokens), where their sizes match
+    other = [(Shard(d), Shard(d), Shard(d)) for d in _aligned(x, args[2], dim)]
+    return _along(op, args, kwargs, device_mesh, input_placements,
+                  [(Shard(dim), Replicate(), Partial("sum")), *other])  # fmt: skip
+
+
+def _aligned(x, index, dim, src=None) -> list[int]:
+    """The dims other than ``dim`` where ``x``, ``index`` (and ``src``) have one size."""
+    return [
+        d
+        for d in range(x.ndim)
+        if d != dim
+        and d < index.ndim
+        and x.shape[d] == index.shape[d]
+        and (src is None or (d < src.ndim and src.shape[d] == x.shape[d]))
+    ]
+
+
+def scatter_candidates(op, args, kwargs, device_mesh: DeviceMesh, input_placements) -> list:
+    """``scatter(self, dim, index, value|src)`` into ``self`` split along ``dim``, the index (and
+    source) whole there: each rank writes the entries it holds (lowered as a masked local
+    scatter); the result is split as ``self`` is."""
+    x, dim = args[0], args[1] % max(args[0].ndim, 1)
+    if x.ndim == 0 or x.shape[dim] < 1:
+        return dtensor_candidates(op, args, kwargs, device_mesh, input_placements)
+    has_src = op is aten.scatter.src
+    src = (Replicate(),) if has_src else ()
+    other = [
+        (Shard(d), Shard(d), *((Shard(d),) if has_src else ()), Shard(d))
+        for d in _aligned(x, args[2], dim, args[3] if has_src else None)
+    ]
+    return _along(op, args, kwargs, device_mesh, input_placements,
+                  [(Shard(dim), Replicate(), *src, Shard(dim)), *other])  # fmt: skip
 
 
 # ---- rules for ops DTensor rules only in later torch releases (used where DTensor has none) ------

@@ -221,7 +221,7 @@ class CompiledTraining:
         self.forward_graph, self.backward_graph = fw, bw
         if inductor:
             self.fw = inductor_compile(fw, _examples(fw))
-            self.bw = inductor_compile(bw, _examples(bw))
+            self.bw = inductor_compile(_views_as_reshapes(bw), _examples(bw))
         else:
             self.fw = lambda *a: fw(*a)
             self.bw = lambda *a: bw(*a)
@@ -307,6 +307,17 @@ def _examples(gm):
                 else v
             )
     return out
+
+
+def _views_as_reshapes(gm):
+    """The backward takes its saved activations contiguous (``_Run.backward``), while the joint
+    trace may have viewed them in the layout the forward made (a transposed one): each view
+    becomes a reshape, which copies only where the layout it is given needs it."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.view.default:
+            n.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm
 
 
 def _no_double_backward():

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..._torch import is_strided_shard
 from ...core.spec import ShardingSpec, is_even, placements_str
@@ -305,20 +306,30 @@ class FactorGraph:
 
     def _near_anchor(self, n: fx.Node, raw: list) -> list:
         """The states of an anchored search: the anchor's own, and every state whose inputs its
-        producers can hand over as they are (no redistribution into it).  The anchor's plan is
-        then one of the plans searched, and the solve can only improve on it; the states stay as
-        few as the placements actually reachable from the fixed ones."""
+        producers can hand over as they are, but for one broadcast operand of a pointwise op
+        (which is redistributed: a small reduction brought to the shards, ``exp(x) * sum(g)`` of a
+        softmax's backward, rather than the shards gathered to it).  The anchor's plan is then one
+        of the plans searched, and the solve can only improve on it; the states stay as few as
+        the placements reachable from the fixed ones."""
         rec = info(n)
         mine = None
         if rec.input_specs is not None and rec.spec is not None:
             outs = rec.spec if isinstance(rec.spec, tuple) else (rec.spec,)
             mine = (tuple(rec.input_specs), tuple(outs))
-        avail = [self._available(a) for a in tensor_args(n)]
+        targs = tensor_args(n)
+        avail = [self._available(a) for a in targs]
+        movable = _broadcast_operands(n, targs)
+
+        def near(st) -> bool:
+            moved = [
+                i for i, (s, av) in enumerate(zip(st[0], avail)) if self.spec_id.get(s) not in av
+            ]
+            return not moved or (len(moved) == 1 and moved[0] in movable)
+
         keep = [
             st
             for st in raw
-            if (mine is not None and (tuple(st[0]), tuple(st[1])) == mine)
-            or all(self.spec_id.get(s) in av for s, av in zip(st[0], avail))
+            if (mine is not None and (tuple(st[0]), tuple(st[1])) == mine) or near(st)
         ]
         if mine is not None and mine not in keep:
             keep.append(mine)
@@ -706,3 +717,18 @@ class FactorGraph:
 
 def _all_even(specs) -> bool:
     return all(is_even(s) for s in specs)
+
+
+def _broadcast_operands(n: fx.Node, targs: list) -> set[int]:
+    """Positions (among ``targs``) of the operands a pointwise ``n`` broadcasts: fewer elements
+    than its output (a row's sum against the row)."""
+    tags = getattr(n.target, "tags", ())
+    out = n.meta.get("val")
+    if torch.Tag.pointwise not in tags or not isinstance(out, torch.Tensor) or len(targs) < 2:
+        return set()
+    return {
+        i
+        for i, a in enumerate(targs)
+        if isinstance(v := a.meta.get("val"), torch.Tensor)
+        and statically_known_true(v.numel() < out.numel())
+    }
