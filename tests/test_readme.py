@@ -1,18 +1,23 @@
-"""The README runs as written: every python block, in a fresh interpreter, or under torchrun on
-gloo where its first line says ``# torchrun --nproc-per-node N`` (a block that is deliberately a
-fragment says ``# fragment`` on its first line and is only compiled)."""
+"""The README and the docs run as written: every python block, in a fresh interpreter, or under
+torchrun on gloo where its first line says ``# torchrun --nproc-per-node N``; a block of ``>>>``
+lines is a doctest (its printed output checked); a block that is deliberately a fragment says
+``# fragment`` on its first line and is only compiled."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = ["README.md"]
+PAGES = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
 TORCHRUN = re.compile(r"#\s*torchrun --nproc-per-node (\d+)")
 
 
@@ -24,7 +29,7 @@ def blocks(page: str) -> list[tuple[str, int, str]]:
             if code is None and line.strip() == "```python":
                 code, start = [], i + 1
             elif code is not None and line.strip() == "```":
-                out.append((page, start, "".join(code)))
+                out.append((page, start, textwrap.dedent("".join(code))))
                 code = None
             elif code is not None:
                 code.append(line)
@@ -53,6 +58,7 @@ def _run(args, path, timeout):
 
 def test_the_readme_has_blocks_of_both_kinds():
     assert _cases(slow=False) and _cases(slow=True)
+    assert len(PAGES) > 5  # the docs pages are read too
 
 
 @pytest.mark.parametrize("page, line, code", _cases(slow=False))
@@ -61,6 +67,12 @@ def test_block_runs(page, line, code, tmp_path):
     path.write_text(code)
     if code.lstrip().startswith("# fragment"):
         compile(code, f"{page}:{line}", "exec")
+        return
+    if code.lstrip().startswith(">>>"):  # a doctest: the printed lines are checked
+        path = tmp_path / "block.txt"
+        path.write_text(code)
+        _run([sys.executable, "-m", "doctest", "-o", "NORMALIZE_WHITESPACE", str(path)],
+             str(path), timeout=600)  # fmt: skip
         return
     _run([sys.executable, str(path)], str(path), timeout=600)
 
