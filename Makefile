@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: venv test demo bench lint clean chromium rulecheck compat
+.PHONY: venv test demo bench lint clean chromium rulecheck compat docs
 
 venv: .venv/.done
 .venv/.done: pyproject.toml
@@ -27,6 +27,10 @@ chromium:
 
 demo: venv
 	$(PY) -m fxshard demo
+
+# The API reference from the docstrings (docs/api; the concept pages are docs/*.md): build/docs.
+docs: venv
+	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
 
 bench: venv
 	$(PY) benchmarks/planner.py

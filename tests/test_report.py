@@ -484,6 +484,15 @@ def test_cli_explain_and_diff(tmp_path):
     assert "w2: RowwiseParallel" in res.stdout
 
 
+def test_cli_help_says_what_each_command_prints():
+    res = _run(["-m", "fxshard", "--help"])
+    commands = ("demo", "plan-demo", "explain", "diff")
+    assert res.returncode == 0 and all(c in res.stdout for c in commands)
+    for c in commands:
+        res = _run(["-m", "fxshard", c, "--help"])
+        assert res.returncode == 0 and "Prints" in res.stdout, (c, res.stdout)
+
+
 def test_bad_cli_reference():
     res = _run(["-m", "fxshard", "explain", "fxshard.zoo:NoSuchModel"])
     assert res.returncode != 0 and "has no 'NoSuchModel'" in res.stderr
