@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -35,6 +36,11 @@ class CollectiveBytes(TorchDispatchMode):
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # modes run before subclasses: let DTensor desugar the op into its collectives on
+            # plain tensors, which then come back here (as torch's CommDebugMode does; counted
+            # here, DTensor's own all-reduces, a vocab-parallel embedding's, were missed)
+            return NotImplemented
         ns = getattr(func, "namespace", "")
         name = func.name() if hasattr(func, "name") else str(func)
         kind = name.split("::")[-1].split(".")[0]
