@@ -419,6 +419,13 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor])
     return run
 
 
+def torch_decomposition(op):
+    """torch's own decomposition of ``op`` (``torch._decomp``'s table)."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table[op]
+
+
 # ---- joint forward+backward graphs (AOTAutograd) -------------------------------------------------
 
 

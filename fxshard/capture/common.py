@@ -24,6 +24,7 @@ from .._torch import (
     module_children_slot,
     module_tensor_slots,
     record_frames_of,
+    torch_decomposition,
 )
 from ..ir import BOUNDARY, INPUT, TANGENT, NodeKind, info
 from ..rules import stand_ins
@@ -118,10 +119,8 @@ def _decompositions():
     # log_softmax as max, exp, sum and log (its backward is decomposed already): over a split dim
     # (vocab-sharded logits) these are partial reductions of a value per row, so a cross-entropy
     # is computed on the shards (loss parallel) instead of moving the logits
-    from torch._decomp import decomposition_table as torch_decompositions
-
     log_softmax = torch.ops.aten._log_softmax.default
-    table[log_softmax] = torch_decompositions[log_softmax]
+    table[log_softmax] = torch_decomposition(log_softmax)
     return table
 
 
