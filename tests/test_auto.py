@@ -255,3 +255,63 @@ def test_dominance_pruning_keeps_an_optimum():
         None,
     )
     assert keep[0].tolist() == [2]
+
+
+def test_a_solver_out_of_time_returns_the_best_plan_known(caplog):
+    """The time limit bounds the solve: when it runs out (here at once) the best plan known so far
+    comes back, reported as such with its gap, and it computes what single device computes; it
+    raised ("HiGHS stopped ... before finding a plan") where branch and bound found nothing."""
+    m, x = _llama()
+    mesh = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
+    with caplog.at_level("WARNING", logger="fxshard"):
+        prog = fxshard.shard(
+            m, mesh, plan="auto", example_inputs=x, auto_options=fxshard.AutoOptions(time_limit_s=0)
+        )
+    report = prog.captured.auto
+    assert "TimeLimit" in report.stopped and report.ilp_variables > 0, report
+    assert "stopped" in str(report) and "before proving a plan" in caplog.text
+    assert _rel(prog.simulate(*x), m(*x)) < 1e-5
+    solved = fxshard.shard(m, mesh, plan="auto", example_inputs=x).captured.auto
+    assert not solved.stopped and solved.objective_us <= report.objective_us + 1e-9
+
+
+def test_the_global_search_is_never_worse_than_the_plan_it_starts_from(monkeypatch):
+    """search="global" improves on the plan's greedy annotation and keeps it where the solver
+    returns something costlier (stopped early): a solver made to pick each decision's dearest
+    state gives back the greedy plan, on a Llama and an MLP, training and not."""
+    import fxshard.placement.auto as auto
+
+    def worst(u):
+        return int(torch.where(torch.isfinite(u), u, -1.0).argmax())
+
+    def dearest(core, unary, factors, memory, budget, options, report):
+        report.stopped = "made to fail"
+        return {v: worst(unary[v]) for v in core}
+
+    def dearest_backtrack(eliminated, unary, choice):  # the DP's decisions too
+        for v, _kind, _data in eliminated:
+            choice[v] = worst(unary[v])
+
+    cases = [
+        (zoo.init_weights(zoo.Llama()), zoo.megatron_tp_plan()),
+        (zoo.init_weights(zoo.MLP()), zoo.mlp_plan()),
+    ]
+    mesh = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
+    for model, plan in cases:
+        x = zoo.example_input(model)
+        for training in (False, True):
+            greedy = fxshard.shard(
+                model, mesh, plan, example_inputs=x, training=training, search="greedy"
+            )
+            solved = fxshard.shard(model, mesh, plan, example_inputs=x, training=training)
+            with monkeypatch.context() as mp:
+                mp.setattr(auto, "solve_ilp", dearest)
+                mp.setattr(auto, "backtrack", dearest_backtrack)
+                kept = fxshard.shard(model, mesh, plan, example_inputs=x, training=training)
+            cost = {p: p.modelled_cost()["comm_us"] for p in (greedy, solved, kept)}
+            assert cost[solved] <= cost[greedy] + 1e-6
+            if isinstance(model, zoo.Llama):  # (the MLP's dearest states may cost the same)
+                assert kept.captured.auto.kept_start, kept.captured.auto
+            assert cost[kept] <= cost[greedy] + 1e-6, (type(model).__name__, training, cost)
+            if not training:
+                assert _rel(kept.simulate(*x), model(*x)) < 1e-5

@@ -107,6 +107,11 @@ def solve(fg: FactorGraph) -> list[int]:
     fg.report.times["dp"] = (t1 - t0) + (time.perf_counter() - t2)
     fg.report.times["ilp"] = t2 - t1
     fg.report.objective_us = objective(fg, choice)
+    start = fg.anchor_choice()
+    if start is not None and _cheaper(fg, start, fg.report.objective_us, budget):
+        # never worse than the plan the search started from (a solver stopped by its time limit)
+        choice, fg.report.kept_start = start, True
+        fg.report.objective_us = objective(fg, choice)
     fg.report.memory_bytes = sum(
         float(v.memory[choice[i]]) for i, v in enumerate(fg.vars) if v.memory is not None
     )
@@ -116,6 +121,14 @@ def solve(fg: FactorGraph) -> list[int]:
             "by any redistribution (see the warnings)"
         )
     return choice
+
+
+def _cheaper(fg: FactorGraph, choice: list[int], than: float, budget: float | None) -> bool:
+    cost = objective(fg, choice)
+    if not math.isfinite(cost) or cost >= than - 1e-9 * max(abs(than), 1.0):
+        return False
+    used = sum(float(v.memory[choice[i]]) for i, v in enumerate(fg.vars) if v.memory is not None)
+    return budget is None or used <= budget
 
 
 def annotate_auto(

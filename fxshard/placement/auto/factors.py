@@ -46,7 +46,7 @@ def _has_strided(state) -> bool:
 
 
 class _Var:
-    __slots__ = ("node", "states", "unary", "memory", "fixed", "nodes", "derived")
+    __slots__ = ("node", "states", "unary", "memory", "fixed", "nodes", "derived", "anchor")
 
     def __init__(self, node, states):
         self.node = node
@@ -57,6 +57,7 @@ class _Var:
         self.nodes = [node]  # every node taking this decision
         # (root variable, this var's state per root state): it follows its input
         self.derived = None
+        self.anchor = None  # anchored: the index of the annotation's own state
 
 
 class FactorGraph:
@@ -304,6 +305,43 @@ class FactorGraph:
             return set()
         return {st[1][idx] for st in self.vars[self.var_of[p]].states if len(st[1]) > idx}
 
+    def _anchor_index(self, var: _Var) -> int | None:
+        """The index among ``var``'s states of the annotation it was built around (anchored)."""
+        rec = info(var.node)
+        if rec.spec is None:
+            return None
+        outs = rec.spec if isinstance(rec.spec, tuple) else (rec.spec,)
+        want_out = tuple(-1 if s is None else self.spec_id.get(s) for s in outs)
+        want_in = None
+        if var.node.op != "placeholder" and rec.kind != NodeKind.BOUNDARY:
+            if rec.input_specs is None:
+                return None
+            want_in = tuple(self.spec_id.get(s) for s in rec.input_specs)
+        for i, (ins, o) in enumerate(var.states):
+            if tuple(o) == want_out and (want_in is None or tuple(ins) == want_in):
+                return i
+        return None
+
+    def anchor_choice(self) -> list[int] | None:
+        """Every variable's anchor state (the plan a ``search="global"`` solve starts from), or
+        None where some variable has none (``plan="auto"``; a variable that follows another).
+        A hub (a value read by several consumers) takes its cheapest placement given the
+        others' anchors, as the redistribute pass would."""
+        if not self.anchored or any(v.derived is not None for v in self.vars):
+            return None
+        choice = [v.anchor for v in self.vars]
+        if any(c is None for v, c in zip(self.vars, choice) if v.node is not None):
+            return None
+        hubs = {h: v.unary.clone() for h, v in enumerate(self.vars) if v.node is None}
+        for (a, b), t in self.factors.items():
+            if b in hubs and a not in hubs:
+                hubs[b] += t[choice[a], :]
+            elif a in hubs and b not in hubs:
+                hubs[a] += t[:, choice[b]]
+        for h, cost in hubs.items():
+            choice[h] = int(torch.argmin(cost))
+        return choice
+
     def _near_anchor(self, n: fx.Node, raw: list) -> list:
         """The states of an anchored search: the anchor's own, and every state whose inputs its
         producers can hand over as they are, but for one broadcast operand of a pointwise op
@@ -417,6 +455,9 @@ class FactorGraph:
                 ]
                 v = self._new_var(n, states)
                 self.provenance[v] = prov
+        if self.anchored:
+            for var in self.vars:
+                var.anchor = self._anchor_index(var)
         for (
             n
         ) in shared:  # later layers (and their backward, which runs first) take the first layer's

@@ -289,7 +289,7 @@ def _branch_and_bound(h, model, core, start, options, time_left: float):
 
     h.setOptionValue("solve_relaxation", False)
     h.setOptionValue("presolve", "choose")
-    h.setOptionValue("time_limit", max(1.0, time_left))  # one time limit for both solves together
+    h.setOptionValue("time_limit", max(0.0, time_left))  # one time limit for both solves together
     h.changeColsIntegrality(
         model.nx,
         np.arange(model.nx, dtype=np.int32),
@@ -324,19 +324,16 @@ def solve_ilp(
     report.ilp_variables = len(core)
     report.ilp_columns = model.n
     t_lp = time.perf_counter()
-    status, start, _bound = _relaxation(h, model, core, unary, factors, memory, budget, report)
+    status, start, bound = _relaxation(h, model, core, unary, factors, memory, budget, report)
     if start is not None and report.ilp_gap <= options.mip_gap:
         report.ilp_rounded = True
         return dict(start)
+    time_left = float(options.time_limit_s) - (time.perf_counter() - t_lp)
+    if status == highspy.HighsModelStatus.kTimeLimit or time_left <= 0:
+        # the time limit ran out in the relaxation: the best plan known, never an exception
+        return _best_known(core, unary, factors, memory, budget, start, bound, report, str(status))
     if status != highspy.HighsModelStatus.kInfeasible:
-        status = _branch_and_bound(
-            h,
-            model,
-            core,
-            start,
-            options,
-            float(options.time_limit_s) - (time.perf_counter() - t_lp),
-        )
+        status = _branch_and_bound(h, model, core, start, options, time_left)
         report.ilp_gap = h.getInfo().mip_gap
     if status == highspy.HighsModelStatus.kInfeasible:
         raise AutoInfeasible(
@@ -351,7 +348,11 @@ def solve_ilp(
     sol = h.getSolution().col_value
     if status != highspy.HighsModelStatus.kOptimal:
         if not sol or h.getInfo().mip_gap == highspy.kHighsInf:
-            raise RuntimeError(f"plan='auto': HiGHS stopped with {status} before finding a plan")
+            # stopped before an incumbent: the best plan known, never an exception
+            return _best_known(
+                core, unary, factors, memory, budget, start, bound, report, str(status)
+            )
+        report.stopped = str(status)
         log.warning(
             "fxshard auto: HiGHS stopped with %s (gap %.3g); using its best plan",
             status,
@@ -363,3 +364,28 @@ def solve_ilp(
         xs = sol[model.col_of[v] : model.col_of[v] + n]
         choice[v] = max(range(n), key=lambda s: xs[s])
     return choice
+
+
+def _best_known(core, unary, factors, memory, budget, start, bound, report, why: str) -> dict:
+    """The plan to return when the solver stops before proving one: the rounded relaxation
+    where it got that far, else each decision's cheapest state on its own terms; either improved
+    by local search within the budget.  The report keeps why and the gap to the relaxation's
+    bound (infinite without one); the caller keeps the anchor's plan where it is cheaper."""
+    if start is None:
+        start = {v: int(torch.argmin(torch.nan_to_num(unary[v], nan=math.inf))) for v in core}
+    plan = local_search(core, unary, factors, memory, start, budget)
+    if plan is None:
+        raise AutoInfeasible(
+            f"plan='auto': the solver stopped ({why}) before finding a plan within memory_budget "
+            f"{size_text(budget)}: raise AutoOptions(time_limit_s=...) or the budget"
+        )
+    obj = _objective(core, unary, factors, plan)
+    report.stopped = why
+    report.ilp_gap = (obj - bound) / max(abs(obj), 1e-12) if bound is not None else math.inf
+    log.warning(
+        "fxshard auto: the solver stopped (%s) before proving a plan; using the best one known "
+        "(gap %.3g to the relaxation's bound); AutoOptions(time_limit_s=...) gives it more time",
+        why,
+        report.ilp_gap,
+    )
+    return dict(plan)

@@ -16,8 +16,11 @@ class AutoOptions:
     it, replicating everything costs nothing).  ``share_layers``: identical repeated layers take one
     decision.  ``follow``: an op with one tensor input takes its input's placement as it is where
     its rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
-    ``time_limit_s``: HiGHS's limit for the cross-edge integer program; ``mip_gap``: the relative
-    gap at which it stops (the plan is then within that fraction of the modelled optimum)."""
+    ``time_limit_s``: the time the solver of the cross-edge integer program may take (its LP
+    relaxation and branch and bound together); when it runs out, the best plan known so far is
+    returned (the report says so and gives its gap), never an exception.  ``mip_gap``: the
+    relative gap at which it stops (the plan is then within that fraction of the modelled
+    optimum)."""
 
     memory_budget: float | None = None
     optimizer_states: int = 2
@@ -46,6 +49,8 @@ class AutoReport:
     pruned_states: int = 0  # dominated states dropped before the ILP
     ilp_gap: float = 0.0  # proven relative gap of the plan to the optimum of the cross-edge program
     ilp_rounded: bool = False  # the LP relaxation, rounded and improved, was within mip_gap
+    stopped: str = ""  # why the solver stopped before proving its plan (its time limit), or ""
+    kept_start: bool = False  # the plan solved around (search="global") was cheaper: kept
     times: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -57,7 +62,9 @@ class AutoReport:
             f"{self.eliminated} solved by DP, {self.ilp_variables} by ILP ({self.pruned_states} "
             "dominated "
             f"states dropped, {self.ilp_columns} columns, "
-            f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}); "
+            f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}"
+            f"{f', stopped: {self.stopped}' if self.stopped else ''}"
+            f"{', the starting plan kept' if self.kept_start else ''}); "
             f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per "
             f"rank; {t}"
         )
