@@ -323,6 +323,136 @@ def trace_artifact(name: str, payload_fn: Callable[[], str]) -> None:
 # ---- torch.compile / Inductor -------------------------------------------------------------------
 
 
+def _compiling_backend() -> object:
+    """The backend function of the dynamo compile running on this thread (unwrapped from dynamo's
+    debug wrapper and ``torch.compile``'s options wrapper), or None outside a dynamo compile."""
+    import sys
+
+    from torch._dynamo.eval_frame import innermost_backend
+
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_compile" and "compiler_fn" in f.f_locals:
+            fn = innermost_backend(f.f_locals["compiler_fn"])
+            fn = getattr(fn, "compiler_fn", fn)
+            return getattr(fn, "func", fn)  # functools.partial
+        f = f.f_back
+    return None
+
+
+def _replicating_fallback(prop, propagate: Callable) -> Callable:
+    """DTensor's sharding propagation (while dynamo traces, it only tells dynamo the metadata of
+    each value: the backend plans the graph itself), made total: where DTensor's rule refuses an
+    op on its inputs' placements (an unevenly sharded dim flattened, a ``_StridedShard`` with a
+    symbolic split factor) or has no rule for the op, the op runs on replicated inputs (the
+    global values) and gives replicated outputs."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+
+    def replicated(x):
+        if isinstance(x, DTensorSpec):
+            return DTensorSpec(x.mesh, (Replicate(),) * x.mesh.ndim, tensor_meta=x.tensor_meta)
+        return x
+
+    def on_global_values(rep: OpSchema) -> OutputSharding:
+        try:
+            out = propagate(rep)
+        except Exception:  # noqa: BLE001 - no rule even on replicated inputs: derive the shapes
+            meshes = [
+                x.mesh for x in _pytree.tree_leaves(rep.args_schema) if isinstance(x, DTensorSpec)
+            ]
+            meta = prop._propagate_tensor_meta_non_cached(rep)
+
+            def spec(m):
+                return (
+                    None
+                    if m is None
+                    else DTensorSpec(meshes[0], (Replicate(),) * meshes[0].ndim, tensor_meta=m)
+                )
+
+            multi = isinstance(meta, (tuple, list))
+            out = OutputSharding(tuple(spec(m) for m in meta) if multi else spec(meta))
+        if not out.needs_redistribute:
+            out.redistribute_schema, out.needs_redistribute = rep, True
+        return out
+
+    def total(op_schema):
+        try:
+            return propagate(op_schema)
+        except Exception as refused:
+            rep = OpSchema(
+                op_schema.op,
+                _pytree.tree_map(replicated, op_schema.args_schema),
+                _pytree.tree_map(replicated, op_schema.kwargs_schema),
+                schema_info=op_schema.schema_info,
+            )
+            try:
+                return on_global_values(rep)
+            except Exception:  # noqa: BLE001 - DTensor's own error says more
+                raise refused from None
+
+    return total
+
+
+_COMPILE_HOOKS: list = []
+
+
+def on_dynamo_compiles(backend: Callable, explain: Callable[[BaseException], str | None]) -> None:
+    """While dynamo traces a frame for ``backend``, DTensor treats plain tensors as replicated
+    (torch's ``implicit_replication()``: a plain tensor is the global value, which is what
+    fxshard's backend takes it for), and an exception that compile raises gets
+    ``explain(exception)`` as a note (where it says something).  Dynamo runs DTensor's own
+    propagation on DTensor arguments while it traces, before any backend sees the graph: these
+    compile callbacks are the one place a backend can act there."""
+    if _COMPILE_HOOKS:
+        return
+    import sys
+
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    prop = dispatcher.sharding_propagator
+    state: list = []
+
+    def start(args) -> None:
+        ours = _compiling_backend() is backend
+        state.append((ours, dispatcher._allow_implicit_replication))
+        if ours:
+            dispatcher._allow_implicit_replication = True
+            prop.propagate_op_sharding_non_cached = _replicating_fallback(
+                prop, type(prop).propagate_op_sharding_non_cached.__get__(prop)
+            )
+
+    def end(args) -> None:
+        if not state:
+            return
+        ours, before = state.pop()
+        if not ours:
+            return
+        dispatcher._allow_implicit_replication = before
+        prop.__dict__.pop("propagate_op_sharding_non_cached", None)
+        exc = sys.exc_info()[1]
+        note = explain(exc) if exc is not None else None
+        if note and note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+
+    _COMPILE_HOOKS[:] = [start, end]
+    handler = torch._dynamo.callback_handler
+    # torch._dynamo.reset() clears every compile callback; these are part of the backend, so they
+    # stay (the lists keep ours on clear())
+    handler.start_callbacks = _KeepOurs([*handler.start_callbacks, start])
+    handler.end_callbacks = _KeepOurs([*handler.end_callbacks, end])
+
+
+class _KeepOurs(list):
+    """A list of dynamo's compile callbacks whose ``clear()`` keeps fxshard's."""
+
+    def clear(self) -> None:
+        ours = [f for f in self if any(f is h for h in _COMPILE_HOOKS)]
+        super().clear()
+        self.extend(ours)
+
+
 def dynamo_frame_locals() -> dict:
     """The local variables of the frame dynamo is compiling (valid inside a backend call)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator

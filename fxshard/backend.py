@@ -15,13 +15,13 @@ placement the program produced (pending reductions finished), and ``output_place
 per output, None: the program's own) asks for given placements, also as DTensors.  So a value
 that crosses a graph break stays sharded, and a KV cache handed back and in stays heads-sharded.
 Under autograd a DTensor input's gradient is a DTensor placed like it; DTensor outputs of a
-training graph are replicated unless ``output_placements`` says otherwise.  Dynamo traces a frame
-that takes DTensors with DTensor's own semantics: where a DTensor meets the model's plain
-parameters, run the calls under torch's
-``torch.distributed.tensor.experimental.implicit_replication()`` (plain tensors count as
-replicated), and every op the frame runs on DTensors needs a DTensor rule for dynamo to trace it
-(fxshard then plans the graph itself).  Uneven DTensor arguments run as they are (DTensor's
-torch.chunk layout is fxshard's).
+training graph are replicated unless ``output_placements`` says otherwise.  Dynamo runs DTensor's
+own rules on DTensor arguments while it traces a frame (to learn each value's metadata); while it
+traces for this backend, plain tensors count as replicated (as under torch's
+``implicit_replication()``: a plain parameter is the global value) and an op DTensor's rule
+refuses on its inputs' placements, or has no rule for, runs on the global values
+(``fxshard._torch.on_dynamo_compiles``); fxshard then plans the graph itself.  Uneven DTensor
+arguments run as they are (DTensor's torch.chunk layout is fxshard's).
 
 Graphs are captured and compiled once per input signature (shapes, dtypes, int arguments) at their
 first call, with the call's concrete shapes: recompiles on new shapes work.  Where dynamo made dims
@@ -75,6 +75,7 @@ from ._torch import (
     calling_modules,
     dynamo_frame_locals,
     is_dtensor,
+    on_dynamo_compiles,
     placeholder_source,
     shape_guards,
     tensor_version,
@@ -964,3 +965,29 @@ __all__ = [
     "BackendOptions",
     "ShardedGraph",
 ]
+
+
+def _explain_tracing_error(exc: BaseException) -> str | None:
+    """What to do about an error dynamo raised while it traced a frame for this backend, where it
+    came from DTensor's own rules (dynamo runs them on DTensor arguments to learn each value's
+    metadata, before the backend sees a graph)."""
+    seen, texts = set(), []
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    text = "\n".join(texts)
+    if "DTensor" not in text and "Sharding propagation failed" not in text:
+        return None
+    return (
+        "fxshard: this error comes from DTensor's own rules, which dynamo runs on DTensor "
+        "arguments while it traces the frame, before the fxshard backend sees the graph. While "
+        "it traces for fxshard, plain tensors count as replicated (the global values) and an op "
+        "DTensor refuses on its inputs' placements runs on the global values; what is left is "
+        "DTensor's. Pass the global tensor (x.full_tensor()), or call "
+        "fxshard.parallelize(model, mesh, plan), which traces without DTensor's rules and takes "
+        "DTensor arguments as they are."
+    )
+
+
+on_dynamo_compiles(fxshard_backend, _explain_tracing_error)

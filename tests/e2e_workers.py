@@ -1277,7 +1277,54 @@ def dtensor_returns(rank, world):
     plain = {"body": ColwiseParallel(), "head": RowwiseParallel()}
     got = torch.compile(copy.deepcopy(ref), backend="fxshard", options={"mesh": dm, "plan": plain})
     record("plain", got(xs), ref(xs))
+    _dtensor_args_dynamo_traces(dm, record)
     return out
+
+
+class _GraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _dtensor_args_dynamo_traces(dm, record):
+    """DTensor arguments where DTensor's own rules refuse the program while dynamo traces it
+    (eager DTensor raises on each): plain parameters (no implicit_replication), a DTensor crossing
+    a graph break into plain parameters, an uneven batch flattened by a Linear, sequence-split
+    input ids with dynamic=True (two lengths).  The backend runs each; the global values equal
+    single device's."""
+    import copy
+
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fxshard import zoo
+
+    torch.manual_seed(0)
+    ref = _GraphBreak()
+    for name, x in (
+        ("plain params", torch.randn(4, 6, 8)),
+        ("uneven batch", torch.randn(3, 5, 8)),
+    ):
+        torch._dynamo.reset()
+        got = torch.compile(copy.deepcopy(ref), backend="fxshard", options={"mesh": dm, "plan": {}})
+        record(name, got(distribute_tensor(x, dm, [Shard(0)])), ref(x))
+    torch._dynamo.reset()
+    model = zoo.init_weights(zoo.Llama(), seed=0)
+    got = torch.compile(
+        copy.deepcopy(model),
+        backend="fxshard",
+        dynamic=True,
+        options={"mesh": dm, "plan": zoo.megatron_tp_plan()},
+    )
+    for seq in (16, 24):
+        ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.no_grad():
+            record(f"dynamic seq {seq}", got(distribute_tensor(ids, dm, [Shard(1)])), model(ids))
 
 
 def lone_read(rank, world, timeout_s):

@@ -112,6 +112,37 @@ def test_a_dtensor_of_another_mesh_is_refused(fake_world):
             spec_of(dt, fxshard.MeshSpec((2, 2)), "argument 0")
 
 
+def test_dynamo_traces_dtensor_arguments_for_fxshard_past_dtensors_refusals(fake_world):
+    """While dynamo traces for fxshard, a plain parameter meeting a DTensor counts as replicated and
+    an op DTensor's rule refuses (an uneven batch flattened by a Linear) runs on the global
+    values; for other backends DTensor's rules stand; ``torch._dynamo.reset()`` keeps this; an
+    error DTensor still raises carries fxshard's note.  (Values: tests/test_user_paths.py on
+    gloo ranks.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("a",))
+    lin = torch.nn.Linear(8, 8)
+    x = distribute_tensor(torch.randn(6, 5, 8), mesh, [Shard(0)])  # 6 rows on 4 ranks
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mixed torch.Tensor and DTensor|unevenly sharded") as info:
+        torch.compile(lin, backend="eager")(x)
+    assert not getattr(info.value, "__notes__", None)
+    torch._dynamo.reset()
+    out = torch.compile(lin, backend="fxshard", options={"mesh": mesh, "plan": {}})(x)
+    assert isinstance(out, DTensor) and out.shape == (6, 5, 8)
+    assert not DTensor._op_dispatcher._allow_implicit_replication
+    assert "propagate_op_sharding_non_cached" not in vars(
+        DTensor._op_dispatcher.sharding_propagator
+    )
+    other = init_device_mesh("cpu", (4,), mesh_dim_names=("b",))
+    y = distribute_tensor(torch.randn(6, 5, 8), other, [Shard(0)])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="mesh") as info:
+        torch.compile(torch.add, backend="fxshard", options={"mesh": mesh, "plan": {}})(x, y)
+    assert any("fxshard.parallelize" in n for n in getattr(info.value, "__notes__", ())), info.value
+
+
 def test_dtensor_outputs_need_a_device_mesh():
     with pytest.raises(ValueError, match="DTensor outputs"):
         BackendOptions.parse({"mesh": (2,), "plan": {}, "simulate": True, "outputs": "dtensor"})
