@@ -413,17 +413,26 @@ def dtensor_backend(rank, world):
     ref = zoo.init_weights(BreakMLP(), seed=2)
     want = ref(x).detach()
     results = {}
-    for mode in ("global", "dtensor", "one graph"):
+    for mode in ("global", "dtensor", "one graph", "dtensor arg"):
         torch._dynamo.reset()
         model = ref if mode != "one graph" else _no_break(ref)
         opts = {"mesh": dm, "plan": zoo.mlp_plan()}
-        if mode != "global":
+        if mode in ("dtensor", "one graph"):
             opts["outputs"] = "dtensor"
+        if mode == "dtensor arg":
+            opts["plan"] = {}  # DTensor code: the placements are the argument's
         n0 = programs_built()
         cm = torch.compile(model, backend="fxshard", options=opts)
-        with implicit_replication(), torch.no_grad():
-            y = cm(x)
-            y2 = cm(x)  # the second call reuses both programs
+        if mode == "dtensor arg":
+            # a batch-split DTensor in, as eager DTensor code calls it (no implicit_replication,
+            # no option): the value crossing the break is a DTensor in the program's placement
+            xd = distribute_tensor(x, dm, [Shard(0)])
+            with torch.no_grad():
+                y, y2 = cm(xd), cm(xd)
+        else:
+            with implicit_replication(), torch.no_grad():
+                y = cm(x)
+                y2 = cm(x)  # the second call reuses both programs
         y = y.full_tensor() if isinstance(y, DTensor) else y
         results[mode] = dict(
             collectives=_kinds(_compiled_since(n0)),
