@@ -15,8 +15,8 @@ venv: .venv/.done
 test: venv chromium
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -x -n auto -m "not slow" tests
-	$(PY) -m pytest -q -x -m slow tests
+	$(PY) -m pytest -q -x -n auto -m "not slow" --durations=15 tests
+	$(PY) -m pytest -q -x -m slow --durations=15 tests
 
 # The HTML plan test renders in headless Chromium; install it where we can (root + apt), else the
 # test skips with a message.
