@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: venv test demo bench lint clean chromium rulecheck compat docs
+.PHONY: venv test demo bench lint clean chromium rulecheck compat compat-hf docs
 
 venv: .venv/.done
 .venv/.done: pyproject.toml
@@ -52,6 +52,19 @@ compat:
 	$(COMPAT_PIP) install -q torch==$(COMPAT_TORCH)
 	$(COMPAT_PIP) install -q -e ".[test]"
 	$(COMPAT)/bin/python -m pytest -q -m "not slow" tests
+
+# Another transformers release (not in CI: the tests pin the one in pyproject.toml): installed
+# into its own folder, which shadows the venv's transformers and its hub libraries (torch stays),
+# then the transformers tests, on simulated ranks and on gloo ranks.
+# `make compat-hf COMPAT_HF=5.25.0`.
+COMPAT_HF ?= 5.25.0
+COMPAT_HF_DIR := .venv-transformers$(COMPAT_HF)
+compat-hf: venv
+	test -f $(COMPAT_HF_DIR)/.done || { $(PIP) install -q --target $(COMPAT_HF_DIR) \
+		transformers==$(COMPAT_HF) && touch $(COMPAT_HF_DIR)/.done; }
+	PYTHONPATH=$(COMPAT_HF_DIR) $(PY) -c "import transformers; print('transformers', transformers.__version__)"
+	PYTHONPATH=$(COMPAT_HF_DIR) $(PY) -m pytest -q -n auto -m "not slow" tests/test_hf.py
+	PYTHONPATH=$(COMPAT_HF_DIR) $(PY) -m pytest -q -m slow tests/test_hf.py tests/test_user_paths.py -k "transformers or hf"
 
 lint: venv
 	$(PY) -m ruff check .
