@@ -346,13 +346,18 @@ def _replicating_fallback(prop, propagate: Callable) -> Callable:
     op on its inputs' placements (an unevenly sharded dim flattened, a ``_StridedShard`` with a
     symbolic split factor) or has no rule for the op, the op runs on replicated inputs (the
     global values) and gives replicated outputs."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 
     def replicated(x):
-        if isinstance(x, DTensorSpec):
-            return DTensorSpec(x.mesh, (Replicate(),) * x.mesh.ndim, tensor_meta=x.tensor_meta)
-        return x
+        if not isinstance(x, DTensorSpec) or all(p.is_replicate() for p in x.placements):
+            return x
+        # redistributed to replicated, the local tensor is a gather's: contiguous (the op's
+        # output metadata must be what the local op gives, or a later view of it fails)
+        meta = x.tensor_meta
+        if meta is not None:
+            meta = TensorMeta(meta.shape, contiguous_strides(meta.shape), meta.dtype)
+        return DTensorSpec(x.mesh, (Replicate(),) * x.mesh.ndim, tensor_meta=meta)
 
     def on_global_values(rep: OpSchema) -> OutputSharding:
         try:
@@ -379,17 +384,25 @@ def _replicating_fallback(prop, propagate: Callable) -> Callable:
     def total(op_schema):
         try:
             return propagate(op_schema)
-        except Exception as refused:
-            rep = OpSchema(
-                op_schema.op,
-                _pytree.tree_map(replicated, op_schema.args_schema),
-                _pytree.tree_map(replicated, op_schema.kwargs_schema),
-                schema_info=op_schema.schema_info,
-            )
-            try:
-                return on_global_values(rep)
-            except Exception:  # noqa: BLE001 - DTensor's own error says more
-                raise refused from None
+        except NotImplementedError as e:
+            # no rule but a decomposition: DTensor runs the decomposition's ops on their rules
+            if torch._C._dispatch_has_kernel_for_dispatch_key(
+                op_schema.op.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+            ):
+                raise
+            refused = e
+        except Exception as e:  # noqa: BLE001 - a rule that refuses these placements
+            refused = e
+        rep = OpSchema(
+            op_schema.op,
+            _pytree.tree_map(replicated, op_schema.args_schema),
+            _pytree.tree_map(replicated, op_schema.kwargs_schema),
+            schema_info=op_schema.schema_info,
+        )
+        try:
+            return on_global_values(rep)
+        except Exception:  # noqa: BLE001 - DTensor's own error says more
+            raise refused from None
 
     return total
 

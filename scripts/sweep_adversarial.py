@@ -14,6 +14,7 @@ timeout).  Prints a table of cases and a count per class."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -77,14 +78,49 @@ def dtensor_plain_params(ctx):
     return _rel(got, ref(x)) if type(got).__name__ == "DTensor" else float("inf")
 
 
+class SameAsEager(Exception):
+    """Eager torch raises the same error on the same program: the compiled call may too."""
+
+
+def _as_eager(eager, compiled):
+    """The compiled call's value; where eager raises, the compiled call raising the same error is
+    what eager does (anything else: the compiled call's own outcome)."""
+    try:
+        eager()
+    except Exception as e:  # noqa: BLE001
+        want = str(e).splitlines()[0]
+        try:
+            return compiled()
+        except Exception as got:  # noqa: BLE001
+            if want in str(got):
+                raise SameAsEager(want[:100]) from None
+            raise
+    return compiled()
+
+
 def dtensor_graph_break(ctx):
+    """A DTensor crossing a graph break (not in a loop) into plain parameters."""
+    from e2e_workers import BreakMLP
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ref = zoo.init_weights(BreakMLP(), seed=2)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        got = _compiled(copy.deepcopy(ref), ctx, {})(distribute_tensor(x, ctx["mesh"], [Shard(0)]))
+        return _rel(got, ref(x))
+
+
+def dtensor_graph_break_in_a_loop(ctx):
+    """A graph break inside the loop over layers: dynamo runs that frame eagerly, so the model's
+    plain parameters meet the DTensor in eager DTensor code."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     ref = zoo.init_weights(zoo.GraphBreakLlama(zoo.LlamaConfig()), seed=0)
     x = _ids()
     dx = distribute_tensor(x, ctx["mesh"], [Shard(0)])
+    f = _compiled(copy.deepcopy(ref), ctx, zoo.megatron_tp_plan())
     with torch.no_grad():
-        return _rel(_compiled(copy.deepcopy(ref), ctx, zoo.megatron_tp_plan())(dx), ref(x))
+        return _rel(_as_eager(lambda: copy.deepcopy(ref)(dx), lambda: f(dx)), ref(x))
 
 
 def dtensor_uneven_batch(ctx):
@@ -136,10 +172,17 @@ def dtensor_grad_placement(ctx):
 
 def use_local_output_false(ctx):
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     ref = zoo.init_weights(zoo.MLP(dim=8, hidden=16), seed=0)
-    plan = {"fc1": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan = {
+        "fc1": ColwiseParallel(use_local_output=False),
+        "fc2": RowwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     x = torch.randn(4, 8)
     eager = parallelize_module(copy.deepcopy(ref), ctx["mesh"], copy.deepcopy(plan))(x)
     got = _compiled(copy.deepcopy(ref), ctx, plan)(x)
@@ -153,7 +196,15 @@ def graph_break_training(ctx):
     return _train(ref, ctx, zoo.megatron_tp_plan(), "ce", "adamw")
 
 
-def _train(ref, ctx, plan, loss, opt, steps=3, accumulate=1, evals=False, freeze=None):
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _train(
+    ref, ctx, plan, loss, opt, steps=3, accumulate=1, evals=False, freeze=None, smoothing=0.1
+):
     model = copy.deepcopy(ref)
     if freeze:
         for m in (ref, model):
@@ -173,13 +224,19 @@ def _train(ref, ctx, plan, loss, opt, steps=3, accumulate=1, evals=False, freeze
                 x = _ids(seed=10 * step + micro)
                 logits = fn(x)
                 y = torch.roll(x, -1, dims=1)
-                if loss == "ce":
-                    value = F.cross_entropy(
-                        logits.flatten(0, 1).float(), y.flatten(), label_smoothing=0.1
-                    )
-                else:
-                    value = F.mse_loss(logits.float(), torch.zeros_like(logits))
-                (value / accumulate).backward()
+                # vocab-sharded DTensor logits (use_local_output=False, as eager torch returns
+                # them): the loss under torch's loss_parallel(), as torch users write it
+                dt = type(logits).__name__ == "DTensor"
+                with _loss_parallel() if dt else contextlib.nullcontext():
+                    if loss == "ce":
+                        value = F.cross_entropy(
+                            logits.flatten(0, 1).float(),
+                            y.flatten(),
+                            label_smoothing=smoothing,
+                        )
+                    else:
+                        value = F.mse_loss(logits.float(), torch.zeros_like(logits))
+                    (value / accumulate).backward()
             o.step()
         if evals:
             x = _ids(seed=99)
@@ -210,7 +267,7 @@ def frozen_embeddings(ctx):
 
 
 def vocab_parallel_loss(ctx):
-    return _train(_llama(), ctx, zoo.vocab_parallel_plan(), "ce", "adamw")
+    return _train(_llama(), ctx, zoo.vocab_parallel_plan(), "ce", "adamw", smoothing=0.0)
 
 
 def hf_default_call_and_decode(ctx):
@@ -399,6 +456,7 @@ def bad_unknown_option(ctx):
 CASES = [
     ("DTensor boundaries", dtensor_plain_params, True),
     ("DTensor boundaries", dtensor_graph_break, True),
+    ("DTensor boundaries", dtensor_graph_break_in_a_loop, True),
     ("DTensor boundaries", dtensor_uneven_batch, True),
     ("DTensor boundaries", dtensor_seq_ids_dynamic, True),
     ("DTensor boundaries", dtensor_grad_placement, True),
@@ -435,10 +493,13 @@ CASES = [
 
 def _verdict(fn, ctx) -> tuple[str, str]:
     refusal = fn.__name__.startswith("bad_")  # a clear error is the right answer
+    torch.manual_seed(0)  # every rank builds the same model and inputs
     try:
         err = fn(ctx)
     except Refuse as e:
         return "WRONG", str(e)
+    except SameAsEager as e:
+        return "right (eager raises too)", str(e)
     except Exception as e:  # noqa: BLE001 - the sweep classifies every failure
         text = f"{type(e).__name__}: {e}".strip()
         notes = " ".join(getattr(e, "__notes__", ()))
@@ -475,7 +536,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         if mode == "simulated":
             names = [n for _, n, pg in rows if not pg]
-            results[mode] = _run(names, {"mesh": fxshard.MeshSpec((2, 2)), "sim": True})
+            mesh = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
+            results[mode] = _run(names, {"mesh": mesh, "sim": True})
         else:
             names = [n for _, n, _ in rows]
             try:

@@ -1343,6 +1343,16 @@ def _dtensor_args_dynamo_traces(dm, record):
         ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
         with torch.no_grad():
             record(f"dynamic seq {seq}", got(distribute_tensor(ids, dm, [Shard(1)])), model(ids))
+    # batch-split ids: attention's sdpa has no DTensor rule on CPU, its decomposition does
+    torch._dynamo.reset()
+    got = torch.compile(
+        copy.deepcopy(model),
+        backend="fxshard",
+        options={"mesh": dm, "plan": zoo.megatron_tp_plan()},
+    )
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        record("batch ids", got(distribute_tensor(ids, dm, [Shard(0)])), model(ids))
 
 
 def lone_read(rank, world, timeout_s):

@@ -79,7 +79,13 @@ def test_a_compiled_call_returns_what_eager_returns():
         assert r["use_local_output=False"][1] == r["eager torch"][1], r
         assert r["plain"][:2] == (False, None), r["plain"]
         # DTensor arguments DTensor's eager rules refuse while dynamo traces: the backend runs them
-        for name in ("plain params", "uneven batch", "dynamic seq 16", "dynamic seq 24"):
+        for name in (
+            "plain params",
+            "uneven batch",
+            "dynamic seq 16",
+            "dynamic seq 24",
+            "batch ids",
+        ):
             assert r[name][0] and r[name][2] is not None and r[name][2] < 1e-5, (name, r[name])
 
 
