@@ -202,6 +202,8 @@ def test_moe_experts_are_sharded_as_the_tp_plan_says():
     colwise (gate and up strided on dim 1), down_proj [E, H, I] rowwise (dim 2); the grouped
     matmuls run on those shards (no all-to-all of a weight) and the experts' output is summed."""
     model, plan, _, x, _ = _build("mixtral")
+    if not any(".experts." in k for k in plan):
+        pytest.skip(f"transformers {T.__version__}: Mixtral's tp_plan leaves the experts whole")
     wrapped = Logits(model, "text")
     prog = fxshard.shard(wrapped, MESH, _prefixed(plan, model), example_inputs=(x,))
     spec = {info(p).fqn: info(p).spec for p in prog.placeholders if info(p).fqn}
@@ -227,8 +229,13 @@ def test_moe_layers_cost_the_megatron_minimum(name):
     wrapped = Logits(model, "text")
     prog = fxshard.shard(wrapped, MESH, _prefixed(plan, model), example_inputs=(x,))
     layers = model.config.num_hidden_layers
+    # (transformers 5.25's plans leave the experts whole: attention's all-reduce alone)
+    per_layer = 2 if any(".experts." in k for k in plan) else 1
+    # and 5.25's plans split the embedding by rows (``embedding_rowwise``): one more all-reduce
+    embedding = sum("embed" in k and "rowwise" in str(v) for k, v in plan.items())
     counts = collections.Counter(c.kind for c in prog.collectives())
-    assert counts == {"all_reduce": 2 * layers, "all_gather": 1}, counts  # + the head's gather
+    want = {"all_reduce": per_layer * layers + embedding, "all_gather": 1}  # + the head's gather
+    assert counts == want, counts
     with torch.no_grad():
         _close(prog.simulate(x), wrapped(x))
 
@@ -242,7 +249,9 @@ def test_expert_parallelism_with_the_models_ep_plan(name):
     weight is ever moved."""
     model, _, _, x, labels = _build(name)
     plan = dict(model._ep_plan)
-    assert "grouped_gemm" in plan.values() and "ep_router" in plan.values()
+    # the router style: ``ep_router`` (transformers 5.17), ``ep_dispatch_experts`` (5.25)
+    styles = set(plan.values())
+    assert "grouped_gemm" in styles and styles & {"ep_router", "ep_dispatch_experts"}, plan
     ref = copy.deepcopy(model)
     n0 = programs_built()
     with torch.no_grad():
@@ -324,6 +333,11 @@ def test_the_ep_plan_costs_one_all_reduce_per_moe_layer(name):
     import collections
 
     model, _, _, x, _ = _build(name)
+    if "ep_router" not in model._ep_plan.values():
+        pytest.skip(
+            f"transformers {T.__version__}'s EP plan dispatches tokens (ep_dispatch_experts): "
+            "test_expert_parallelism_by_token_dispatch covers that"
+        )
     wrapped = Logits(model, "text")
     prog = fxshard.shard(wrapped, MESH, _prefixed(dict(model._ep_plan), model),
                          example_inputs=(x,))  # fmt: skip
@@ -549,8 +563,12 @@ def test_token_dispatch_drops_pairs_routed_to_no_expert():
     ranks = {r: (idx[6 * r : 6 * r + 6], x[6 * r : 6 * r + 6], w[6 * r : 6 * r + 6],
                  [p[starts[r] : starts[r + 1]] for p in params]) for r in range(2)}  # fmt: skip
     got = X._dispatch(ranks, X._Exchange(2), key, starts)
+    # the module's meaning: a sentinel pair adds nothing (the same pair on a real expert with
+    # weight 0; transformers 5.25's own grouped_mm reads uninitialised rows for it)
+    real, zero = idx.clone(), w.clone()
+    real[::3, 1], zero[::3, 1] = 0, 0.0
     with torch.no_grad():
-        want = block.experts(x, idx, w)
+        want = block.experts(x, real, zero)
     _close(torch.cat([got[0], got[1]]), want)
 
 
