@@ -610,6 +610,29 @@ def _shard_trains(model, plan, x, labels):
             _close(grads[fqn], q.grad, rtol=1e-4, msg=fqn)
 
 
+GROUPED_MM_MOES = {
+    "gpt_oss": lambda: T.GptOssForCausalLM(T.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2)),
+    "granitemoehybrid": lambda: T.GraniteMoeHybridForCausalLM(T.GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["attention", "attention"])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_MM_MOES))
+def test_grouped_mm_experts_train_in_fp32_through_shard(name):
+    """MoEs whose experts transformers runs through grouped matmuls (the sweep of 5.25 saw
+    "Expected inputs of BF16 type" from them in fp32): shard(training=True) with the model's own
+    plan gives single device's fp32 loss and gradients."""
+    torch.manual_seed(0)
+    model = GROUPED_MM_MOES[name]()
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    _shard_trains(model, model.tp_plan or {}, x, x.clone())
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_the_default_cache_is_a_clear_error_with_its_remedy(training):
     """shard / parallelize of a causal LM called the default way (use_cache=True returns a
