@@ -633,6 +633,28 @@ def test_grouped_mm_experts_train_in_fp32_through_shard(name):
     _shard_trains(model, model.tp_plan or {}, x, x.clone())
 
 
+def test_a_parameter_clamped_in_place_by_forward_is_named_when_training():
+    """Gemma-3n's AltUp clamps a parameter in place in its training forward
+    (``prediction_coefs.weight.data.clamp_``): sharded training does not apply in-place state
+    updates yet, and the error names the parameter and the remedies (it named an "unsupported
+    tangent" before)."""
+    cfg = T.Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64,
+        hidden_size_per_layer_input=8, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+        altup_num_inputs=2, laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0],
+    )  # fmt: skip
+    model = T.Gemma3nForCausalLM(cfg)
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    cm = torch.compile(
+        model, backend="fxshard", options={"mesh": MESH, "simulate": True, "plan": model.tp_plan}
+    )
+    with pytest.raises(Exception, match=r"updates \['model.layers.0.altup.prediction_coefs"):
+        cm(input_ids=x, labels=x, use_cache=False).loss.backward()
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_the_default_cache_is_a_clear_error_with_its_remedy(training):
     """shard / parallelize of a causal LM called the default way (use_cache=True returns a

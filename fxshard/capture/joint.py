@@ -214,6 +214,9 @@ def _placeholder_kinds(gm: fx.GraphModule, input_kinds) -> list[tuple[str, objec
             kinds.append(tuple(input_kinds[what]) if input_kinds is not None else (INPUT, None))
         elif kind == TANGENT:
             if what is None:
+                mutated = _mutated_name(p.meta.get("desc"), input_kinds)
+                if mutated is not None:  # the tangent of a state the forward updates in place
+                    raise NotImplementedError(_updates_in_place([mutated]))
                 raise NotImplementedError(
                     f"fxshard.capture: unsupported tangent {p.meta.get('desc')}"
                 )
@@ -223,6 +226,26 @@ def _placeholder_kinds(gm: fx.GraphModule, input_kinds) -> list[tuple[str, objec
                 f"fxshard.capture: unsupported joint-graph input {p.meta.get('desc')}"
             )
     return kinds
+
+
+def _updates_in_place(updated: list) -> str:
+    return (
+        f"fxshard.capture: the model updates {sorted(set(updated))} in place during a training "
+        f"step (BatchNorm running statistics in train mode, say); sharded training programs "
+        f"do not apply in-place state updates yet: put such modules in eval() mode, or move "
+        f"the update out of forward (forward-only programs apply them)"
+    )
+
+
+def _mutated_name(desc, input_kinds) -> str | None:
+    """The FQN (or "input i") of the state whose in-place update a tangent belongs to, or None."""
+    output = getattr(desc, "output", None)
+    if output is None or not describe(output)[0].startswith("mutate_"):
+        return None
+    what = describe(output)[1]
+    if isinstance(what, int) and input_kinds is not None and what < len(input_kinds):
+        return input_kinds[what][1] or f"input {what}"
+    return str(what)
 
 
 def _output_roles(out: fx.Node, input_kinds) -> list[Role]:
@@ -237,12 +260,7 @@ def _output_roles(out: fx.Node, input_kinds) -> list[Role]:
 
     updated = [name(r[1]) for r in roles if r[0].startswith("mutate_")]
     if updated:  # BatchNorm updating its running statistics in train mode, say
-        raise NotImplementedError(
-            f"fxshard.capture: the model updates {sorted(set(updated))} in place during a training "
-            f"step (BatchNorm running statistics in train mode, say); sharded training programs "
-            f"do not apply in-place state updates yet: put such modules in eval() mode, or move "
-            f"the update out of forward (forward-only programs apply them)"
-        )
+        raise NotImplementedError(_updates_in_place(updated))
     other = [r[0] for r in roles if r[0] not in ("output", "grad_param", "grad_input", "NoneType")]
     if other:
         raise NotImplementedError(
