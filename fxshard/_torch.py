@@ -419,16 +419,27 @@ def on_dynamo_compiles(backend: Callable, explain: Callable[[BaseException], str
     compile callbacks are the one place a backend can act there."""
     if _COMPILE_HOOKS:
         return
+    import logging
     import sys
 
     from torch.distributed.tensor import DTensor
 
-    dispatcher = DTensor._op_dispatcher
-    prop = dispatcher.sharding_propagator
+    try:  # private torch internals: where a release moved them, DTensor's own rules stand
+        dispatcher = DTensor._op_dispatcher
+        prop = dispatcher.sharding_propagator
+        type(prop).propagate_op_sharding_non_cached  # noqa: B018
+        handler = torch._dynamo.callback_handler
+        handler.start_callbacks, handler.end_callbacks  # noqa: B018
+    except AttributeError as e:
+        logging.getLogger("fxshard").debug("DTensor tracing hooks not installed: %s", e)
+        return
     state: list = []
 
     def start(args) -> None:
-        ours = _compiling_backend() is backend
+        try:
+            ours = _compiling_backend() is backend
+        except Exception:  # noqa: BLE001 - dynamo's internals moved: not recognised as ours
+            ours = False
         state.append((ours, dispatcher._allow_implicit_replication))
         if ours:
             dispatcher._allow_implicit_replication = True
@@ -450,7 +461,6 @@ def on_dynamo_compiles(backend: Callable, explain: Callable[[BaseException], str
             exc.add_note(note)
 
     _COMPILE_HOOKS[:] = [start, end]
-    handler = torch._dynamo.callback_handler
     # torch._dynamo.reset() clears every compile callback; these are part of the backend, so they
     # stay (the lists keep ours on clear())
     handler.start_callbacks = _KeepOurs([*handler.start_callbacks, start])
