@@ -237,28 +237,25 @@ def _updates_in_place(updated: list) -> str:
     )
 
 
-def _mutated_name(desc, input_kinds) -> str | None:
-    """The FQN (or "input i") of the state whose in-place update a tangent belongs to, or None."""
-    output = getattr(desc, "output", None)
-    if output is None or not describe(output)[0].startswith("mutate_"):
-        return None
-    what = describe(output)[1]
+def _input_name(what, input_kinds) -> str:
+    """A joint-graph input by its FQN (a dynamo graph's inputs are numbered)."""
     if isinstance(what, int) and input_kinds is not None and what < len(input_kinds):
         return input_kinds[what][1] or f"input {what}"
     return str(what)
+
+
+def _mutated_name(desc, input_kinds) -> str | None:
+    """The FQN (or "input i") of the state whose in-place update a tangent belongs to, or None."""
+    output = getattr(desc, "output", None)
+    kind, what = describe(output) if output is not None else ("", None)
+    return _input_name(what, input_kinds) if kind.startswith("mutate_") else None
 
 
 def _output_roles(out: fx.Node, input_kinds) -> list[Role]:
     """The role of every output; gradients of inputs that are really parameters become the
     parameters' gradients."""
     roles = [describe(d) for d in out.meta.get("desc", ())]
-
-    def name(what):  # a dynamo graph's inputs are numbered: name them by their FQN
-        if isinstance(what, int) and input_kinds is not None and what < len(input_kinds):
-            return input_kinds[what][1] or f"input {what}"
-        return str(what)
-
-    updated = [name(r[1]) for r in roles if r[0].startswith("mutate_")]
+    updated = [_input_name(r[1], input_kinds) for r in roles if r[0].startswith("mutate_")]
     if updated:  # BatchNorm updating its running statistics in train mode, say
         raise NotImplementedError(_updates_in_place(updated))
     other = [r[0] for r in roles if r[0] not in ("output", "grad_param", "grad_input", "NoneType")]
