@@ -77,6 +77,19 @@ def test_block_runs(page, line, code, tmp_path):
     _run([sys.executable, str(path)], str(path), timeout=600)
 
 
+def test_torchrun_blocks_destroy_their_process_group():
+    """A gloo process group left to interpreter exit can abort the process (SIGABRT, "terminate
+    called without an active exception": its worker threads outlive the interpreter; pytorch
+    issue 190489). It failed CI once on a block that passed three times alone. torch asks every
+    script to call destroy_process_group before it exits; so do the pages, as users copy them."""
+    missing = [
+        f"{page}:{line}"
+        for page, line, code in (c.values for c in _cases(slow=True))
+        if "destroy_process_group()" not in code.strip().splitlines()[-1]
+    ]
+    assert not missing, f"torchrun blocks that do not end with destroy_process_group(): {missing}"
+
+
 @pytest.mark.parametrize("page, line, code", _cases(slow=True))
 def test_block_runs_under_torchrun(page, line, code, tmp_path):
     ranks = TORCHRUN.match(code.lstrip().splitlines()[0]).group(1)
