@@ -143,6 +143,23 @@ def test_shard_and_simulate(name):
         )
 
 
+def test_a_wrapped_model_keeps_its_own_plans_leniency():
+    """A transformers model inside a user's module, its whole tp_plan named under the module's FQN
+    (as a user writes it for shard / parallelize): the entries of the architecture's other
+    variants (Qwen3-MoE's dense-MLP entries) are skipped as transformers skips them; an entry of
+    the user's own that matches nothing is still an error."""
+    model, plan, kind, x, _ = _build("qwen3_moe")
+    wrapped = Logits(model, kind)
+    whole = {f"model.{k}": v for k, v in plan.items()}
+    assert whole != _prefixed(plan, model)  # some entries match nothing in this model
+    prog = fxshard.shard(wrapped, MESH, whole, example_inputs=(x,))
+    with torch.no_grad():
+        _close(prog.simulate(x), wrapped(x))
+    with pytest.raises(ValueError, match=r"fxshard: plan entry 'model\.model\.layerz\.\*\.mlp'"):
+        fxshard.shard(wrapped, MESH, {**whole, "model.model.layerz.*.mlp": "colwise"},
+                      example_inputs=(x,))  # fmt: skip
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_compile_default_call(name):
     """torch.compile(model, backend="fxshard") called with the model's defaults (a DynamicCache

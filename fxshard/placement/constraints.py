@@ -200,11 +200,11 @@ def resolve_plan(
     dim = plan_dim(mesh, tp_dim)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    # a transformers model's own tp_plan covers every variant of its architecture (dense and MoE
-    # layers): as transformers does, entries that match nothing in this model are skipped
-    # a model's own plans (its tp_plan, its expert-parallel plan) cover its architecture's variants
-    own_plans = [getattr(model, "tp_plan", None), getattr(model, "_ep_plan", None)]
-    hf_own = any(isinstance(p, dict) and p and dict(plan) == dict(p) for p in own_plans)
+    # a transformers model's own plans (its tp_plan, its expert-parallel plan) cover every variant
+    # of its architecture (dense and MoE layers, attention and linear-attention layers): as
+    # transformers does, their entries that match nothing in this model are skipped, also where
+    # the model sits inside a user's module and the plan names its entries under its FQN
+    own = _own_entries(model, plan)
     out = PlanConstraints(dim=dim)
     for pattern, style in plan.items():
         raw = style if isinstance(style, str) else None
@@ -240,15 +240,16 @@ def resolve_plan(
                 if raw == "grouped_gemm" and experts_module(modules.get(owner)) is not None:
                     out.experts[owner] = modules[owner]
             continue
-        if not matches and hf_own:
+        if not matches and (pattern, raw) in own:
             log.info("fxshard: %s's tp_plan entry %r matches nothing here", type(model).__name__,
                      pattern)  # fmt: skip
             continue
         if not matches:
             close = difflib.get_close_matches(pattern, [f for f in modules if f], n=5, cutoff=0.5)
             raise ValueError(
-                f"plan entry {pattern!r} matches no module of {type(model).__name__}; "
-                f"closest existing FQNs: {close or sorted(modules)[:8]}"
+                f"fxshard: plan entry {pattern!r} matches no module of {type(model).__name__}; "
+                f"closest existing FQNs: {close or sorted(modules)[:8]}; fix the FQN or leave "
+                "the entry out"
             )
         for fqn in matches:
             before = set(out.boundaries)
@@ -257,6 +258,20 @@ def resolve_plan(
                 out.eager_types[tag] = "local" if raw is not None else _eager_type(style, tag)
     _tie(out, model)
     return out
+
+
+def _own_entries(model: nn.Module, plan) -> set:
+    """(pattern, style) of ``plan`` that a transformers model in ``model`` (``model`` itself or a
+    submodule) ships in its own ``tp_plan`` / ``_ep_plan``, under that module's FQN. transformers
+    skips such entries where they match nothing (a plan covers its architecture's variants)."""
+    entries = {(k, v) for k, v in plan.items() if isinstance(v, str)}
+    own = set()
+    for fqn, mod in model.named_modules():
+        for p in (getattr(mod, "tp_plan", None), getattr(mod, "_ep_plan", None)):
+            if isinstance(p, dict):
+                pre = f"{fqn}." if fqn else ""
+                own |= {(pre + k, v) for k, v in p.items() if isinstance(v, str)} & entries
+    return own
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:
