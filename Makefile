@@ -1,7 +1,7 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 
-.PHONY: venv test demo bench lint clean chromium rulecheck compat compat-hf docs
+.PHONY: venv test demo bench lint clean chromium rulecheck compat compat-hf docs plots
 
 venv: .venv/.done
 .venv/.done: pyproject.toml
@@ -31,6 +31,11 @@ demo: venv
 # The API reference from the docstrings (docs/api; the concept pages are docs/*.md): build/docs.
 docs: venv
 	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
+
+# The benchmark page's plots (docs/img/*.svg), drawn from its tables; matplotlib only here.
+plots: venv
+	$(PIP) install -q "matplotlib>=3.8,<4"
+	$(PY) benchmarks/plots.py
 
 bench: venv
 	$(PY) benchmarks/planner.py

@@ -98,3 +98,22 @@ def test_the_names_a_page_mentions_exist(page):
     names = {m.rstrip(".") for m in NAME.findall(_read(page))}
     stale = sorted(n for n in names if not _resolves(n))
     assert not stale, f"{page} mentions names fxshard does not have: {stale}"
+
+
+def test_the_benchmark_plots_are_drawn_from_the_page_tables():
+    """Every plot of docs/benchmarks.md is drawn by benchmarks/plots.py from a table on that page:
+    the table parses, the figure exists and the page shows it."""
+    import importlib.util
+
+    path = os.path.join(ROOT, "benchmarks", "plots.py")
+    spec = importlib.util.spec_from_file_location("plots", path)
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    page = _read("docs/benchmarks.md")
+    tables = plots.tables(page)
+    for name, _, columns, draw in plots.FIGURES:
+        rows = plots.find(tables, *columns)
+        assert rows and all(len(r) == len(rows[0]) for r in rows), name
+        assert callable(getattr(plots, draw)), name
+        assert os.path.exists(os.path.join(ROOT, "docs/img", name)), f"run make plots: {name}"
+        assert f"(img/{name})" in page, f"docs/benchmarks.md does not show {name}"
