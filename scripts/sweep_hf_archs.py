@@ -9,7 +9,10 @@ single device, through each way in:
 - ``train (shard)``: the same loss through ``fxshard.shard(..., training=True)``, the capture
   ``fxshard.parallelize`` trains with.
 
-    python scripts/sweep_hf_archs.py [--only llama,mixtral] [--timeout 300]
+    python scripts/sweep_hf_archs.py [--only llama,mixtral] [--timeout 300] [--jobs 2]
+
+Against another transformers release: ``PYTHONPATH=.venv-transformers5.25.0 python ...`` after
+``make compat-hf``.
 
 Each architecture runs in its own interpreter (a crash or hang costs one row). Prints one
 markdown row per architecture (right / clear error / WRONG / unclear error / hang, with the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import copy
 import json
 import os
@@ -188,10 +192,33 @@ def _first(e):
     return lines[0].strip() if lines else ""
 
 
+def _run_one(mt, timeout, jobs):
+    """One architecture in its own interpreter: (results, seconds)."""
+    t0 = time.time()
+    try:
+        p = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--one", mt],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))},
+        )
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if line:
+            res = json.loads(line[-1][7:])
+        else:
+            tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:160]
+            res = {c: ["unclear error", f"crash: {tail}"] for c in COLUMNS}
+    except subprocess.TimeoutExpired:
+        res = {c: ["hang", f"over {timeout:.0f} s"] for c in COLUMNS}
+    return res, time.time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per architecture")
+    ap.add_argument("--jobs", type=int, default=1, help="architectures run at once")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -210,28 +237,15 @@ def main() -> None:
     print(f"| model type | {' | '.join(COLUMNS)} |")
     print("|---|" + "---|" * len(COLUMNS))
     totals = {c: collections.Counter() for c in COLUMNS}
-    for mt, _ in types:
-        t0 = time.time()
-        try:
-            p = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), "--one", mt],
-                capture_output=True,
-                text=True,
-                timeout=args.timeout,
-            )
-            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-            if line:
-                res = json.loads(line[-1][7:])
-            else:
-                tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:160]
-                res = {c: ["unclear error", f"crash: {tail}"] for c in COLUMNS}
-        except subprocess.TimeoutExpired:
-            res = {c: ["hang", f"over {args.timeout:.0f} s"] for c in COLUMNS}
-        for c in COLUMNS:
-            totals[c][res[c][0]] += 1
-        cells = [f"{v}" if v == "right" else f"{v}: {d}" for v, d in (res[c] for c in COLUMNS)]
-        cells = [c.replace("|", "/") for c in cells]
-        print(f"| {mt} | {' | '.join(cells)} | <!-- {time.time() - t0:.0f} s -->", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        runs = [pool.submit(_run_one, mt, args.timeout, args.jobs) for mt, _ in types]
+        for (mt, _), run in zip(types, runs):
+            res, secs = run.result()
+            for c in COLUMNS:
+                totals[c][res[c][0]] += 1
+            cells = [v if v == "right" else f"{v}: {d}" for v, d in (res[c] for c in COLUMNS)]
+            cells = [c.replace("|", "/") for c in cells]
+            print(f"| {mt} | {' | '.join(cells)} | <!-- {secs:.0f} s -->", flush=True)
     print()
     for c in COLUMNS:
         print(f"{c}: " + ", ".join(f"{n} {k}" for k, n in totals[c].most_common()))
