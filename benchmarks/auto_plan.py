@@ -10,12 +10,18 @@ cost (communication + compute, the figures auto minimises) of auto's plan and of
 each under the same per-rank memory budget check.
 
     python benchmarks/auto_plan.py [--layers 2 8 32] [--seq 2048] [--batch 64]
+    python benchmarks/auto_plan.py --scale [--only 8B@8x8 70B@4x4x4] [--time-limit 60]
+
+``--scale``: torchtitan-style LLaMA-3 8B / 70B / 405B shapes on (dp, tp) and (dp, cp, tp) meshes,
+time to plan and modelled cost against the hand plan (torchtitan's TP on tp, batch elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,6 +33,7 @@ from fxshard.api import annotate, capture, program, redistribute
 from fxshard.ir import PARAM, info
 
 GIB = 2**30
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/others.py
 
 
 def llama3_8b(layers: int) -> zoo.Llama:
@@ -58,17 +65,92 @@ def fsdp(c):
                 fxshard.set_placement(n, tuple(pl))
 
 
-def run(model, tokens, mesh, plan, budget=None, edit=None, reuse=True):
+def run(model, tokens, mesh, plan, budget=None, edit=None, reuse=True, auto_options=None):
     t0 = time.perf_counter()
     c = capture(model, (tokens,), mesh=mesh, plan=plan, training=True, reuse_layers=reuse)
     t1 = time.perf_counter()
-    annotate(c, auto_options=fxshard.AutoOptions(memory_budget=budget) if plan == "auto" else None)
+    if plan == "auto" and auto_options is None:
+        auto_options = fxshard.AutoOptions(memory_budget=budget)
+    annotate(c, auto_options=auto_options if plan == "auto" else None)
     if edit:
         edit(c)
     redistribute(c)
     t2 = time.perf_counter()
     prog = program(c)
     return prog, t1 - t0, t2 - t1
+
+
+# (name, layers, dim, heads, kv heads, ffn): LLaMA-3 shapes (vocab 128256)
+SHAPES = {
+    "8B": (32, 4096, 32, 8, 14336),
+    "70B": (80, 8192, 64, 8, 28672),
+    "405B": (126, 16384, 128, 8, 53248),
+}
+# (model, mesh) rows of --scale: issue 38's targets
+SCALE_ROWS = [
+    ("8B", (8, 8)),
+    ("70B", (8, 8)),
+    ("8B", (4, 4, 4)),
+    ("8B", (8, 8, 4)),
+    ("70B", (4, 4, 4)),
+    ("70B", (8, 8, 4)),
+    ("405B", (8, 8, 8)),
+]
+
+
+def titan(shape: str, layers: int | None = None):
+    """A LLaMA-3 model written in torchtitan's style (``benchmarks/others.py: TitanLlama``: an
+    ``nn.ModuleDict`` of layers, real-arithmetic RoPE, ``repeat_interleave`` GQA) on meta, bf16."""
+    import others
+
+    n, dim, heads, kv, ffn = SHAPES[shape]
+    cfg = others.Config(dim, layers or n, heads, kv, 128256, ffn, 8192, 1e-5, 500000.0)
+    with torch.device("meta"):
+        return others.TitanLlama(cfg).to(torch.bfloat16)
+
+
+def scale(args):
+    """``plan="auto"`` at the scale people plan for: time to plan and modelled cost against the
+    hand plan (torchtitan's TP on tp, the batch on the other mesh dims) on one mesh."""
+    import others
+
+    print(
+        f"plan='auto', torchtitan-style LLaMA-3 (bf16, meta), joint fwd+bwd, batch {args.batch} x "
+        f"seq {args.seq}, solver limit {args.time_limit:.0f} s"
+    )
+    print(
+        "| model | mesh | nodes | capture s | plan s | capture + plan s | auto cost ms | "
+        "hand cost ms | auto / hand | solver |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = [r for r in SCALE_ROWS if not args.only or f"{r[0]}@{'x'.join(map(str, r[1]))}"
+            in args.only]  # fmt: skip
+    for shape, dims in rows:
+        names = ("dp", "tp") if len(dims) == 2 else ("dp", "cp", "tp")
+        mesh = fxshard.MeshSpec(dims, names=names)
+        model = titan(shape)
+        tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+        hand, _, _ = run(model, tokens, mesh, others.tp_plan(model))
+        opts = fxshard.AutoOptions(time_limit_s=args.time_limit)
+        t0 = time.perf_counter()
+        try:
+            auto, cap_s, plan_s = run(model, tokens, mesh, "auto", auto_options=opts)
+        except Exception as e:  # noqa: BLE001 - the row says what failed
+            print(f"| {shape} | {dims} | fails after {time.perf_counter() - t0:.0f} s: "
+                  f"{type(e).__name__}: {str(e)[:120]} |", flush=True)  # fmt: skip
+            continue
+        rep = auto.captured.auto
+        ca, ch = auto.modelled_cost()["total_us"], hand.modelled_cost()["total_us"]
+        how = rep.stopped or f"gap {rep.ilp_gap:.2%}"
+        if rep.kept_start:
+            how += ", start kept"
+        print(
+            f"| {shape} | {'x'.join(map(str, dims))} | {rep.nodes} | {cap_s:.1f} | {plan_s:.1f} | "
+            f"**{cap_s + plan_s:.1f}** | {ca / 1e3:.1f} | {ch / 1e3:.1f} | {ca / ch:.2f}x | "
+            f"{how} |",
+            flush=True,
+        )
+        print(f"  {rep}", flush=True)
 
 
 def main():
@@ -80,7 +162,16 @@ def main():
     ap.add_argument(
         "--no-reuse", action="store_true", help="trace every layer (capture without reuse_layers)"
     )
+    ap.add_argument(
+        "--scale",
+        action="store_true",
+        help="the torchtitan-style 8B / 70B / 405B rows on 2-D and 3-D meshes instead",
+    )
+    ap.add_argument("--only", nargs="*", default=[], help="--scale rows, e.g. 8B@8x8 70B@4x4x4")
+    ap.add_argument("--time-limit", type=float, default=60.0, help="AutoOptions.time_limit_s")
     args = ap.parse_args()
+    if args.scale:
+        return scale(args)
     mesh = fxshard.MeshSpec((8, 8), names=("dp", "tp"))
     print(
         f"LLaMA-3-8B-shaped, bf16, joint fwd+bwd, mesh {mesh.shape} (dp, tp), batch {args.batch} x "
