@@ -43,7 +43,8 @@ TINY = dict(
     first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
     qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, sliding_window=8,
     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
-    linear_value_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    linear_value_head_dim=8, num_kv_shared_layers=0, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
 )  # fmt: skip
 
 

@@ -526,3 +526,22 @@ def test_mixed_sum_and_avg_reduce_in_one_all_reduce():
     # max cannot share a collective with sum
     with pytest.raises(ValueError, match="only sum and avg may be mixed"):
         fxshard.plan_redistribute(mesh, (Partial("sum"), Partial("max")), (R, R), (8, 8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 70),
+    mesh=st.sampled_from([(2,), (3,), (2, 4), (4, 3)]),
+    split=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+    data=st.data(),
+)
+def test_the_index_tensor_of_a_shard_is_its_indices(n, mesh, split, data):
+    """The reshape check's vectorised indices (``local_index_tensor``) are the indices each rank
+    holds (``local_indices``), for plain and strided levels, even and uneven."""
+    from fxshard.core.spec import local_index_tensor, local_indices
+
+    dims = data.draw(st.permutations(range(len(mesh))))[: len(split)]
+    levels = tuple(zip(dims, split))
+    coord = tuple(data.draw(st.integers(0, k - 1)) for k in mesh)
+    want = local_indices(n, levels, mesh, coord)
+    assert local_index_tensor(n, levels, mesh, coord).tolist() == want

@@ -69,6 +69,30 @@ def local_indices(
     return idx
 
 
+@lru_cache(maxsize=4096)
+def _position_tensor(n: int, k: int, sf: int, c: int) -> torch.Tensor:
+    """``level_positions(n, k, sf)[c]`` as an int64 tensor, built from ranges (no per-element
+    Python: the reshape check asks this of dims of 10^5-10^6 elements)."""
+    if sf == 1:
+        s, ln = chunk_bounds(n, k)[c]
+        return torch.arange(s, s + ln, dtype=torch.int64)
+    parts = []
+    for ps, pl in chunk_bounds(n, sf):
+        s, ln = chunk_bounds(pl, k)[c]
+        parts.append(torch.arange(ps + s, ps + s + ln, dtype=torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def local_index_tensor(
+    n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]
+) -> torch.Tensor:
+    """``local_indices`` as an int64 tensor."""
+    idx = torch.arange(n, dtype=torch.int64)
+    for m, sf in levels:
+        idx = idx[_position_tensor(len(idx), mesh_shape[m], sf, coord[m])]
+    return idx
+
+
 def local_extent(
     n: int, levels: Sequence[Level], mesh_shape: Sequence[int], coord: Sequence[int]
 ) -> int:
@@ -193,8 +217,8 @@ def reshape_keeps_shards(src: ShardingSpec, dst: ShardingSpec) -> bool:
             coord = [0] * len(mesh)
             for m, c in zip(mdims, sub):
                 coord[m] = c
-            ia = [torch.tensor(local_indices(src.shape[d], src.levels[d], mesh, coord)) for d in ga]
-            ib = [torch.tensor(local_indices(dst.shape[d], dst.levels[d], mesh, coord)) for d in gb]
+            ia = [local_index_tensor(src.shape[d], src.levels[d], mesh, coord) for d in ga]
+            ib = [local_index_tensor(dst.shape[d], dst.levels[d], mesh, coord) for d in gb]
             got = full_a[torch.meshgrid(*ia, indexing="ij")]
             want = full_b[torch.meshgrid(*ib, indexing="ij")]
             if got.numel() != want.numel() or not torch.equal(got.reshape(-1), want.reshape(-1)):
