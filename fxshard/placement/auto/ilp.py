@@ -54,7 +54,8 @@ def dominance(
                 feats.append(t[kv][:, keep[u]])
             f = torch.cat(feats, dim=1)
             f = torch.where(torch.isfinite(f), f, torch.full_like(f, 1e300))
-            le = _no_worse(f)
+            # exact comparisons: "<=" with a tolerance is not transitive and could drop every state
+            le = (f[:, None, :] <= f[None, :, :]).all(dim=2)  # [a, b]: a no worse than b anywhere
             n = len(kv)
             idx = torch.arange(n)
             strict = le & ~le.T  # a strictly better somewhere
@@ -64,25 +65,6 @@ def dominance(
                 keep[v] = kv[~dominated]
                 changed = True
     return keep
-
-
-def _no_worse(f: torch.Tensor) -> torch.Tensor:
-    """``le[a, b]``: row ``a`` of ``f`` is <= row ``b`` in every column.  Exact comparisons ("<="
-    with a tolerance is not transitive and could drop every state).  Columns equal on every row
-    decide nothing and repeated columns decide once: both are dropped first (a variable's edges
-    to thousands of neighbour states repeat a few distinct columns), and the rows are compared a
-    block at a time, so the (rows x rows x columns) comparison never lives whole."""
-    f = f[:, f.amax(dim=0) != f.amin(dim=0)]
-    if f.shape[1] > 1:
-        f = torch.unique(f, dim=1)
-    n = f.shape[0]
-    if not f.shape[1]:
-        return torch.ones(n, n, dtype=torch.bool)
-    le = torch.empty(n, n, dtype=torch.bool)
-    step = max(1, (1 << 24) // max(1, n * f.shape[1]))
-    for i in range(0, n, step):
-        le[i : i + step] = (f[i : i + step, None, :] <= f[None, :, :]).all(dim=2)
-    return le
 
 
 def local_search(
