@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
 from ...ir import info, tensor_args
@@ -74,38 +75,141 @@ def objective(fg: FactorGraph, choice: Sequence[int]) -> float:
     return total
 
 
-def solve(fg: FactorGraph) -> list[int]:
-    """The chosen state of every variable: chains and trees by DP, the core by the ILP."""
-    t0 = time.perf_counter()
+def _solve_states(fg: FactorGraph, keep: list[torch.Tensor] | None = None) -> list[int]:
+    """The best choice over each variable's states ``keep[v]`` (indices into its states; None:
+    all of them): chains and trees by DP, the core by the ILP.  Indices into the full states."""
     budget = fg.opt.memory_budget
-    check_budget(fg, budget)
-    unary = [v.unary.clone() for v in fg.vars]
-    factors = {k: t.clone() for k, t in fg.factors.items()}
-    protected = {i for i, v in enumerate(fg.vars) if budget is not None and v.memory is not None}
+    if keep is None:
+        unary = [v.unary.clone() for v in fg.vars]
+        factors = {k: t.clone() for k, t in fg.factors.items()}
+        mem_of = [v.memory for v in fg.vars]
+    else:
+        unary = [v.unary[k] for v, k in zip(fg.vars, keep)]
+        factors = {(a, b): t[keep[a]][:, keep[b]] for (a, b), t in fg.factors.items()}
+        mem_of = [None if v.memory is None else v.memory[k] for v, k in zip(fg.vars, keep)]
+    protected = {i for i, m in enumerate(mem_of) if budget is not None and m is not None}
+    t0 = time.perf_counter()
     eliminated, alive, nbrs = eliminate(unary, factors, protected)
     fg.report.eliminated = len(eliminated) - fg.report.followed
     t1 = time.perf_counter()
     core = [i for i in range(len(fg.vars)) if alive[i]]
     choice = [-1] * len(fg.vars)
     if core:
-        memory_of = {v: fg.vars[v].memory for v in core if fg.vars[v].memory is not None}
-        keep = dominance(core, unary, factors, nbrs, memory_of, budget)
+        memory_of = {v: mem_of[v] for v in core if mem_of[v] is not None}
+        kept = dominance(core, unary, factors, nbrs, memory_of, budget)
         sub_unary = list(unary)
         memory = {}
         for v in core:
-            sub_unary[v] = unary[v][keep[v]]
+            sub_unary[v] = unary[v][kept[v]]
             if v in memory_of:
-                memory[v] = memory_of[v][keep[v]]
-        sub_factors = {(u, v): t[keep[u]][:, keep[v]] for (u, v), t in factors.items()}
-        fg.report.pruned_states = sum(len(unary[v]) - len(keep[v]) for v in core)
+                memory[v] = memory_of[v][kept[v]]
+        sub_factors = {(u, v): t[kept[u]][:, kept[v]] for (u, v), t in factors.items()}
+        fg.report.pruned_states = sum(len(unary[v]) - len(kept[v]) for v in core)
         for v, s in solve_ilp(
             core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report
         ).items():
-            choice[v] = int(keep[v][s])
+            choice[v] = int(kept[v][s])
     t2 = time.perf_counter()
     backtrack(eliminated, unary, choice)
-    fg.report.times["dp"] = (t1 - t0) + (time.perf_counter() - t2)
-    fg.report.times["ilp"] = t2 - t1
+    times = fg.report.times
+    times["dp"] = times.get("dp", 0.0) + (t1 - t0) + (time.perf_counter() - t2)
+    times["ilp"] = times.get("ilp", 0.0) + t2 - t1
+    if keep is not None:
+        choice = [int(k[c]) for k, c in zip(keep, choice)]
+    return choice
+
+
+def _placement_ids(fg: FactorGraph) -> torch.Tensor:
+    """Per variable: a (states x mesh dims) tensor, the id of what each state places on each mesh
+    dim (the placements of all its inputs and outputs there, interned)."""
+    ids: dict = {}
+    out = []
+    nd = fg.mesh.ndim
+    for var in fg.vars:
+        rows = []
+        for ins, outs in var.states:
+            specs = [fg.specs[i].placements if i >= 0 else None for i in (*ins, *outs)]
+            rows.append(
+                [
+                    ids.setdefault(tuple(None if p is None else p[m] for p in specs), len(ids))
+                    for m in range(nd)
+                ]
+            )
+        out.append(torch.tensor(rows, dtype=torch.long).reshape(len(var.states), nd))
+    return out
+
+
+def _tied(pid: torch.Tensor, groups: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Indices of the states that place the same on every mesh dim of each group."""
+    ok = torch.ones(pid.shape[0], dtype=torch.bool)
+    for g in groups:
+        for m in g[1:]:
+            ok &= pid[:, m] == pid[:, g[0]]
+    return torch.nonzero(ok).flatten()
+
+
+def _solve_decomposed(fg: FactorGraph) -> list[int]:
+    """A mesh of three or more dims, solved as a product of per-dim choices: every plan people
+    write there (the batch on dp and cp, Megatron on tp) places alike on groups of mesh dims.
+    First one solve per split of the mesh dims into two contiguous groups, each over the states
+    that place alike within a group (as many as a 2-D mesh's); then, from the best of those,
+    coordinate descent: one mesh dim at a time is free, the others keep their choice, until no
+    dim improves.  Each step is an exact solve over a set containing the current plan, so the
+    objective never rises; the problem solved is never the full product of per-dim states (the
+    pairwise tables of a 4x4x4 mesh are 10^7 columns: measured 135 s, the LP unfinished)."""
+    pids = _placement_ids(fg)
+    nd = fg.mesh.ndim
+    single = [torch.zeros(1, dtype=torch.long) for _ in fg.vars]
+    followers = {i for i, v in enumerate(fg.vars) if v.derived is not None or len(v.states) < 2}
+    deadline = time.perf_counter() + fg.opt.time_limit_s
+    best, best_cost, steps = None, math.inf, []
+    for cut in range(1, nd):
+        groups = [list(range(cut)), list(range(cut, nd))]
+        keep = []
+        for i, pid in enumerate(pids):
+            if i in followers:
+                keep.append(single[i])
+                continue
+            k = _tied(pid, groups)
+            keep.append(k if len(k) else torch.arange(len(pid)))
+        choice = _solve_states(fg, keep)
+        cost = objective(fg, choice)
+        steps.append(f"tied {'|'.join(''.join(map(str, g)) for g in groups)} {cost:.4g} us")
+        if cost < best_cost:
+            best, best_cost = choice, cost
+    improved, rounds = True, 0
+    while improved and rounds < 4 and time.perf_counter() < deadline:
+        improved, rounds = False, rounds + 1
+        for d in range(nd):
+            others = [m for m in range(nd) if m != d]
+            keep = []
+            for i, pid in enumerate(pids):
+                if i in followers:
+                    keep.append(torch.tensor([best[i] if len(pid) > best[i] >= 0 else 0]))
+                    continue
+                ok = (pid[:, others] == pid[best[i], others]).all(dim=1)
+                keep.append(torch.nonzero(ok).flatten())
+            choice = _solve_states(fg, keep)
+            cost = objective(fg, choice)
+            if cost < best_cost - 1e-9 * max(abs(best_cost), 1.0):
+                best, best_cost, improved = choice, cost, True
+                steps.append(f"dim {d} {cost:.4g} us")
+    fg.report.decomposed = "; ".join(steps)
+    return best
+
+
+def _decompose(fg: FactorGraph) -> bool:
+    if fg.opt.decompose is not None:
+        return bool(fg.opt.decompose) and fg.mesh.ndim > 1
+    return fg.mesh.ndim >= 3 and not fg.anchored
+
+
+def solve(fg: FactorGraph) -> list[int]:
+    """The chosen state of every variable: chains and trees by DP, the core by the ILP; on a mesh
+    of three or more dims, by per-dim decomposition (``_solve_decomposed``)."""
+    budget = fg.opt.memory_budget
+    check_budget(fg, budget)
+    choice = _solve_decomposed(fg) if _decompose(fg) else _solve_states(fg)
     fg.report.objective_us = objective(fg, choice)
     start = fg.anchor_choice()
     if start is not None and _cheaper(fg, start, fg.report.objective_us, budget):

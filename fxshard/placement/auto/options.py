@@ -20,7 +20,10 @@ class AutoOptions:
     relaxation and branch and bound together); when it runs out, the best plan known so far is
     returned (the report says so and gives its gap), never an exception.  ``mip_gap``: the
     relative gap at which it stops (the plan is then within that fraction of the modelled
-    optimum)."""
+    optimum).  ``decompose``: solve per mesh dim (None, the default: on meshes of three or more
+    dims): one solve per split of the mesh dims into two contiguous groups, over the states that
+    place alike within each group, then one mesh dim at a time free while the others keep their
+    choice, until no dim improves; the problem never holds the product of per-dim states."""
 
     memory_budget: float | None = None
     optimizer_states: int = 2
@@ -30,6 +33,7 @@ class AutoOptions:
     follow: bool = True
     time_limit_s: float = 60.0
     mip_gap: float = 5e-3
+    decompose: bool | None = None
 
 
 @dataclass
@@ -51,6 +55,7 @@ class AutoReport:
     ilp_rounded: bool = False  # the LP relaxation, rounded and improved, was within mip_gap
     stopped: str = ""  # why the solver stopped before proving its plan (its time limit), or ""
     kept_start: bool = False  # the plan solved around (search="global") was cheaper: kept
+    decomposed: str = ""  # the per-mesh-dim steps (meshes of 3+ dims), or ""
     times: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
@@ -64,7 +69,8 @@ class AutoReport:
             f"states dropped, {self.ilp_columns} columns, "
             f"{'LP rounded' if self.ilp_rounded else 'branch and bound'}, gap {self.ilp_gap:.2%}"
             f"{f', stopped: {self.stopped}' if self.stopped else ''}"
-            f"{', the starting plan kept' if self.kept_start else ''}); "
+            f"{', the starting plan kept' if self.kept_start else ''}"
+            f"{f'; by mesh dim: {self.decomposed}' if self.decomposed else ''}); "
             f"objective {self.objective_us:.1f} us, memory {self.memory_bytes / 2**20:.1f} MiB per "
             f"rank; {t}"
         )
