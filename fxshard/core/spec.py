@@ -382,6 +382,28 @@ class ShardingSpec:
     dtype: torch.dtype
     levels: Levels
 
+    # Specs key every table of annotation and planning (millions of lookups on a 3-D mesh): the
+    # hash is computed once, and equal specs are usually one object (``make`` is memoised).
+    def _fields(self) -> tuple:
+        return (self.mesh, self.placements, self.shape, self.dtype, self.levels)
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self._fields())
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return hash(self) == hash(other) and self._fields() == other._fields()
+
+    def __getstate__(self) -> dict:  # the cached hash is this process's (pickled specs rehash)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @classmethod
     def make(
         cls,

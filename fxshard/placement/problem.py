@@ -337,6 +337,7 @@ class PlacementProblem:
         # (op, source line) -> [index into warnings, nodes]: one fallback warning per place
         self._fallbacks: dict[tuple, list] = {}
         self._candidates: dict = {}
+        self._legal: dict = {}  # legal_states per (op, argument shapes, input specs, used outputs)
         self._names_of: tuple | None = None  # (graph, {node name: node}), for gradient markers
 
     # ---- specs and costs ------------------------------------------------------------------------
@@ -392,14 +393,30 @@ class PlacementProblem:
         return plan_in_program(src, dst, self.cm, fuse=self.multi_dim).cost
 
     # ---- ops ------------------------------------------------------------------------------------
-    def candidates(self, node: fx.Node, placements: Sequence) -> list | str | None:
-        """The sharding rule's candidates for ``node`` given its tensor inputs' ``placements``
-        (memoised by op, argument shapes and placements); "factory"; None without a rule."""
+    def _op_key(self, node: fx.Node) -> tuple:
+        """What an op's rule and legality checks read of it: op, argument shapes and values,
+        output shapes, which inputs are zeros (repeated layers ask alike)."""
         args = tree_map(_val, tuple(node.args))
         kwargs = tree_map(_val, dict(node.kwargs))
-        zeros = zero_filled(node)
-        key = (node.target, shape_key(args), shape_key(kwargs), tuple(placements), zeros)
+        return (
+            node.target,
+            shape_key(args),
+            shape_key(kwargs),
+            shape_key(node.meta.get("val")),
+            zero_filled(node),
+        )
+
+    def candidates(
+        self, node: fx.Node, placements: Sequence, op_key: tuple | None = None
+    ) -> list | str | None:
+        """The sharding rule's candidates for ``node`` given its tensor inputs' ``placements``
+        (memoised by op, argument shapes and placements); "factory"; None without a rule."""
+        op_key = op_key or self._op_key(node)
+        key = (op_key, tuple(placements))
         if key not in self._candidates:
+            args = tree_map(_val, tuple(node.args))
+            kwargs = tree_map(_val, dict(node.kwargs))
+            zeros = op_key[-1]
             try:
                 found = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
             except Exception as e:  # a rule that raises is treated as no rule, loudly
@@ -430,16 +447,24 @@ class PlacementProblem:
         """The op's legal states; ``cur``: its tensor inputs' current specs, the placements
         DTensor's follow-the-input rules enumerate from.  A custom op without a rule is an error;
         an op whose rule allows nothing here is computed replicated (``source="fallback"``)."""
+        op_key = self._op_key(node)
+        used = used_outputs(node)
+        key = (op_key, tuple(cur), frozenset(used))
+        hit = self._legal.get(key)
+        if hit is None:
+            hit = self._legal[key] = self._legal_states(node, cur, op_key, used)
+        return LegalStates(list(hit.states), hit.source, hit.why)
+
+    def _legal_states(self, node, cur, op_key, used) -> LegalStates:
         targs = tensor_args(node)
         out_val = node.meta.get("val")
         outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
-        cands = self.candidates(node, [s.placements for s in cur])
+        cands = self.candidates(node, [s.placements for s in cur], op_key)
         rep_out = tuple(self.replicated(v) if isinstance(v, torch.Tensor) else None for v in outs)
         if cands == "factory":
             return LegalStates(
                 [(tuple(self.replicated(_val(a)) for a in targs), rep_out)], "factory"
             )
-        used = used_outputs(node)
         states, seen = [], set()
         for ins, o in cands or ():
             if out_val is None and not o:
