@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -47,11 +48,25 @@ def _cases(slow: bool):
     return out
 
 
-def _run(args, path, timeout):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+# A gloo worker can abort in interpreter teardown after its script has finished and destroyed its
+# process groups ("terminate called without an active exception", SIGABRT: a C++ thread of torch's
+# still joinable at exit; pytorch issue 190489's family). Seen in 2 of ~10 CI runs, each on a
+# block that had printed its results; never reproduced alone (7 runs, idle and loaded).  Such a
+# run is repeated once, with a warning; a second failure fails the test.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _run(args, path, timeout, retry=True):
+    # the stacks of every Python thread if a worker aborts (what held it at exit)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     r = subprocess.run(
         args, cwd=os.path.dirname(path), env=env, capture_output=True, text=True, timeout=timeout
     )
+    if r.returncode != 0 and retry and _TEARDOWN_ABORT in r.stderr and "SIGABRT" in r.stderr:
+        warnings.warn(
+            f"a worker aborted at exit (repeated once):\n{r.stderr[-3000:]}", stacklevel=2
+        )
+        return _run(args, path, timeout, retry=False)
     assert r.returncode == 0, f"{' '.join(args)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     return r.stdout
 

@@ -37,12 +37,19 @@ from .sharing import shared_nodes
 INF = float("inf")
 
 
+def _strided(s) -> bool:
+    """Whether spec ``s`` holds a strided shard (asked per state of every op: kept on the spec)."""
+    if s is None:
+        return False
+    hit = s.__dict__.get("_strided")
+    if hit is None:
+        hit = any(is_strided_shard(p) for p in s.placements)
+        object.__setattr__(s, "_strided", hit)
+    return hit
+
+
 def _has_strided(state) -> bool:
-    return any(
-        s is not None and any(is_strided_shard(p) for p in s.placements)
-        for side in state
-        for s in side
-    )
+    return any(_strided(s) for side in state for s in side)
 
 
 class _Var:
