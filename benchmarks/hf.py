@@ -61,6 +61,11 @@ def build(name):
         "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(
             T.Qwen3MoeConfig(**SIZE, **MOE, moe_intermediate_size=128, num_experts=4)
         ),
+        # fused qkv / gate_up projections, gathered and split again by their plan
+        "phi3": lambda: T.Phi3ForCausalLM(T.Phi3Config(**SIZE, pad_token_id=0, eos_token_id=1)),
+        "gemma2": lambda: T.Gemma2ForCausalLM(
+            T.Gemma2Config(**SIZE, head_dim=32, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        ),
     }[name]
     return make().eval()
 
