@@ -37,7 +37,16 @@ from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import AS_EAGER, INPUT, KEPT_STATE, NodeKind, eager_dtensor_outputs, info, output_roles
+from .ir import (
+    AS_EAGER,
+    INPUT,
+    KEPT_STATE,
+    OWN_PLACEMENT,
+    NodeKind,
+    eager_dtensor_outputs,
+    info,
+    output_roles,
+)
 from .passes.redistribute import insert_redistributes
 from .placement import greedy
 from .placement.auto import AutoInfeasible, AutoOptions, annotate_auto
@@ -162,7 +171,7 @@ def _check_placements(mesh, input_placements, output_placements) -> None:
     ):
         if pls is not None:
             for i, p in enumerate(pls):
-                if p is None or p is KEPT_STATE or isinstance(p, ShardingSpec):
+                if p is None or p in (KEPT_STATE, OWN_PLACEMENT) or isinstance(p, ShardingSpec):
                     continue
                 if len(tuple(p)) != mesh.ndim:
                     raise ValueError(

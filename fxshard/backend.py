@@ -48,8 +48,8 @@ placements the plan leaves free are chosen by one solve over the graph; ``"greed
 ``outputs`` (``"global"``, the default, or ``"dtensor"``), ``output_placements``, ``state``
 (``"sharded"``, the default: tensors a graph stores into attributes of plain objects, a KV
 cache's keys and values, whether the object existed before the call or the call creates it (the
-default call's ``DynamicCache``), come back outside autograd as ``KeptTensor``s where the program
-left them sharded: this
+default call's ``DynamicCache``), come back as ``KeptTensor``s where the program left them
+sharded (a training call's keep their autograd history): this
 rank's shard to the next program, the global tensor to eager code, which gathers it on use; and
 KeptTensors a graph updates in place stay sharded; ``"global"``: gathered.
 ``fxshard.runtime.boundary``).
@@ -87,17 +87,18 @@ from .capture.symbolic import DynamicDims, NotSymbolic, splits_dynamic
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH, ShardConfig
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import AS_EAGER, INPUT, STATE_KINDS, TANGENT, NodeKind, flat_outputs, info
+from .ir import AS_EAGER, INPUT, OWN_PLACEMENT, STATE_KINDS, TANGENT, NodeKind, flat_outputs, info
 from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
 from .runtime.boundary import (
     OUTPUTS,
     STATES,
-    KeptTensor,
     as_program_arg,
     check_mesh,
+    differentiable_args,
     is_kept,
     is_sharded_arg,
+    keep_output,
     local_arg,
     output_wrapper,
     spec_of,
@@ -496,9 +497,9 @@ class ShardedGraph:
 
     def _kept(self, training: bool) -> dict:
         """The outputs handed back as KeptTensors where sharded: tensors stored into objects'
-        attributes, not under autograd (a KeptTensor has no autograd history: a training graph's
-        state and results come back global, as its other outputs do)."""
-        return {} if training else self.stored
+        attributes (a training call's too: the default call's cache is not gathered either; the
+        KeptTensor keeps the autograd history, so a loss that reads it gets its gradient)."""
+        return self.stored
 
     def _output_placements(self, training: bool) -> list:
         """Per output: the placements asked for, None where the program's own (reduced) placement
@@ -520,12 +521,15 @@ class ShardedGraph:
                 # the global value, or a DTensor where eager would return one (simulated ranks:
                 # global values)
                 g = replicated if self.opts.simulate else AS_EAGER
+            elif g is None and training and k in self._kept(training):
+                g = OWN_PLACEMENT  # a KeptTensor (with its autograd history)
             out.append(g)
         return out
 
     def _output_wrapper(self, prog, training: bool):
         """The outputs asked for as DTensors wrapped (this rank's shard, the program's spec); state
-        stored into attributes as KeptTensors where sharded."""
+        stored into attributes as KeptTensors where sharded (``wrap(flat, side)``: a training
+        call's gradients of its KeptTensors go to its backward through ``side``)."""
         given = self.opts.output_placements or ()
         specs = prog.forward_output_specs
         eager = prog.captured.dtensor_outputs if not self.opts.simulate else ()
@@ -543,21 +547,21 @@ class ShardedGraph:
             and any(not isinstance(p, Replicate) for p in specs[k].placements)
         ]  # fmt: skip
         if not keep:
-            return wrap
+            return lambda flat, side=None: wrap(flat)
         mesh = self.opts.mesh
         timeout = (self.opts.agreement or AgreementOptions()).timeout_s
 
-        def wrap_state(flat: list) -> list:
+        def wrap_state(flat: list, side: dict | None = None) -> list:
             flat = wrap(flat)
             for k in keep:
-                flat[k] = KeptTensor.of(flat[k], specs[k].at_sizes(specs[k].global_shape(
-                    flat[k].shape)), mesh, timeout)  # fmt: skip
+                spec = specs[k].at_sizes(specs[k].global_shape(flat[k].shape))
+                flat[k] = keep_output(flat[k], spec, mesh, timeout, side, k)
             return flat
 
         return wrap_state
 
     def __call__(self, *args):
-        args = self._program_args(args)
+        args = self._program_args(differentiable_args(args))
         # under autograd (a parameter or input requires grad) the joint forward+backward is sharded
         training = torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
@@ -884,15 +888,17 @@ class ShardedGraph:
             with fail_together(f"the sharded program of {prog.name}"):
                 check(a)
                 # a DTensor's to_local() is differentiable: its gradient comes back as a DTensor
+                side: dict = {}  # the gradients of the KeptTensors handed back (global)
                 outs = compiled.apply(
                     [
                         local_arg(v, s, compiled.coord_ints, f"argument {i}")
                         if i in dt_specs
                         else v
                         for i, s, v in zip(index, specs, values(a))
-                    ]
+                    ],
+                    side=side,
                 )
-                return wrap(list(outs) if isinstance(outs, tuple) else [outs])
+                return wrap(list(outs) if isinstance(outs, tuple) else [outs], side)
 
         return run
 

@@ -50,6 +50,10 @@ KEPT_STATE = "kept state"
 # an output_placements entry (the backend's default): the global value, or, where eager torch would
 # return a DTensor (``eager_dtensor_outputs``), the program's own placement as a DTensor
 AS_EAGER = "as eager"
+# an output_placements entry: the program's own placement (reduced), under autograd too, where an
+# output without one is handed back global (the state a training call stores into objects, which
+# the backend hands back as KeptTensors); its incoming gradient comes in replicated
+OWN_PLACEMENT = "own placement"
 GRAD_TAG = "grad:"  # boundary tag of a complete gradient: "grad:<forward node name>"
 
 

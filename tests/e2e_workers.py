@@ -1454,3 +1454,54 @@ def hf_default_call(rank, world, names):
             ]
         out[name] = dict(err=max(errs), kinds=kinds, ours=ours, torch=theirs)
     return out
+
+
+def hf_train_cache(rank, world, names):
+    """transformers causal LMs trained the default way (``model(x, labels=y)`` in train mode makes
+    and returns a DynamicCache) through the backend on gloo ranks: what the returned cache's
+    tensors are, the forward's collectives against transformers' own TP's forward (counted by
+    CommDebugMode in the same run), and gradients against single device where the loss reads the
+    returned cache and where the cache goes back into a second training call."""
+    import copy
+
+    import test_hf
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from fxshard.backend import compiled_programs, programs_built
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for name in names:
+        torch._dynamo.reset()
+        ref, plan, _, x, labels = test_hf._build(name)
+        ref.train()
+        model = copy.deepcopy(ref)
+        f = torch.compile(model, backend="fxshard", options={"mesh": dm, "plan": plan})
+        nxt = x[:, 3:6]
+        errs, kinds, ours = [], None, None
+        grads = []
+        for m, params in ((ref, ref), (f, model)):
+            n0 = programs_built()
+            o = m(x, labels=labels)
+            if m is f:
+                ours = sum(
+                    1 for p in compiled_programs(n0) for c in p.collectives()
+                    if c.phase == "forward"
+                )  # fmt: skip
+                layers = o.past_key_values.layers
+                kinds = sorted({type(t).__name__ for lay in layers for t in (lay.keys, lay.values)})
+            # a loss that reads the returned cache, and the cache handed back into a training call
+            cache_term = sum(
+                lay.keys.pow(2).mean() + lay.values.mean() for lay in o.past_key_values.layers
+            )
+            o2 = m(nxt, past_key_values=o.past_key_values, labels=nxt)
+            loss = o.loss + cache_term + o2.loss
+            loss.backward()
+            grads.append((loss.detach(), [p.grad.clone() for p in params.parameters()]))
+        errs.append(_rel(grads[1][0], grads[0][0]))
+        errs += [_rel(a, b) for a, b in zip(grads[1][1], grads[0][1])]
+        hf = apply_tensor_parallelism(copy.deepcopy(ref), dm)
+        theirs = sum(_comm_counts(hf, x, labels=labels).values())
+        out[name] = dict(err=max(errs), kinds=kinds, ours=ours, torch=theirs)
+    return out

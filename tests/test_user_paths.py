@@ -116,3 +116,18 @@ def test_the_default_call_returns_its_cache_sharded_and_costs_torch_tps_collecti
             assert got["err"] < 1e-4 and got["kinds"] == kept[name], (name, got)
             assert len(got["ours"]) == 2, (name, got)  # prefill, decode
             assert all(o <= t for o, t in zip(got["ours"], got["torch"])), (name, got)
+
+
+@pytest.mark.slow
+def test_a_training_call_returns_its_cache_sharded_with_its_gradient():
+    """``model(x, labels=y)`` in train mode makes and returns a DynamicCache: its keys and values
+    were gathered at the end of every training forward (2 all-gathers per layer more than
+    transformers' own TP); they come back as each rank's heads (KeptTensors) that keep their
+    autograd history: a loss that reads them, and a second call that takes the cache back, give
+    single device's gradients."""
+    names = ["llama", "gemma2"]
+    for r in spawn(2, e2e_workers.hf_train_cache, names, timeout=600, collective_timeout=60):
+        assert list(r) == names
+        for name, got in r.items():
+            assert got["err"] < 1e-4 and got["kinds"] == ["KeptTensor"], (name, got)
+            assert got["ours"] <= got["torch"], (name, got)

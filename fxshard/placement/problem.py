@@ -52,6 +52,7 @@ from ..ir import (
     GRAD_TAG,
     INPUT,
     KEPT_STATE,
+    OWN_PLACEMENT,
     PARAM,
     STATE_KINDS,
     TANGENT,
@@ -577,6 +578,8 @@ class PlacementProblem:
                 if self.output_placements is not None and i < len(self.output_placements)
                 else None
             )
+            if given is OWN_PLACEMENT:
+                given = None
             return PlaceholderOptions(
                 self.spec(given if given is not None else [Replicate()] * self.mesh.ndim, val),
                 f"gradient of output {i}",
@@ -726,7 +729,9 @@ class PlacementProblem:
                 if self.output_placements is not None and k < len(self.output_placements)
                 else None
             )
-            if given is not None:
+            if given is OWN_PLACEMENT:
+                out.append(OutputRequirement("reduced", role=role))
+            elif given is not None:
                 out.append(
                     OutputRequirement(
                         "fixed", self.spec(given, val, what=f"output_placements[{k}]"), role=role

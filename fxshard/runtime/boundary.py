@@ -386,5 +386,59 @@ def kept(t: torch.Tensor) -> KeptTensor:
     return KeptTensor(t.detach(), Layout(None, (), ()), t.shape, t.stride())
 
 
+class _Keep(torch.autograd.Function):
+    """A training program's sharded state output as a KeptTensor that keeps its autograd history.
+    A gradient eager code sends into it (a loss that reads the returned cache) is the global
+    tensor's, of another shape than this rank's shard: it goes to the program's backward through
+    ``side`` (output index -> global gradient), which places it as the program takes it."""
+
+    @staticmethod
+    def forward(ctx, local, spec, device_mesh, timeout_s, side, k):
+        ctx.side, ctx.k = side, k
+        return KeptTensor.of(local.detach(), spec, device_mesh, timeout_s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.side[ctx.k] = grad.full() if isinstance(grad, KeptTensor) else grad
+        return None, None, None, None, None, None
+
+
+class _Gathered(torch.autograd.Function):
+    """A KeptTensor with autograd history (a training call's state) as its global value, its
+    gradient handed back as the global tensor's."""
+
+    @staticmethod
+    def forward(ctx, kept):
+        return kept.full().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def differentiable_args(args) -> tuple:
+    """Call arguments with every KeptTensor that has autograd history (the cache a training call
+    returned, handed back in under autograd) replaced by its global value, differentiably: a
+    gather per tensor, so that the gradient reaches the call that made it."""
+    if not torch.is_grad_enabled() or not any(
+        isinstance(a, KeptTensor) and a.requires_grad for a in args
+    ):
+        return args
+    return tuple(
+        _Gathered.apply(a) if isinstance(a, KeptTensor) and a.requires_grad else a for a in args
+    )
+
+
+def keep_output(local, spec, device_mesh, timeout_s, side=None, k=None) -> KeptTensor:
+    """This rank's shard ``local`` of a program's output ``k`` placed ``spec`` as a KeptTensor;
+    where it has autograd history (a training program's), the KeptTensor keeps it, and the
+    gradient that reaches it lands in ``side[k]`` (global) for the program's backward."""
+    if local.requires_grad and torch.is_grad_enabled():
+        if side is None:
+            raise ValueError("keep_output: a differentiable output needs a side dict")
+        return _Keep.apply(local, spec, device_mesh, timeout_s, side, k)
+    return KeptTensor.of(local, spec, device_mesh, timeout_s)
+
+
 def is_kept(x: object) -> bool:
     return isinstance(x, KeptTensor)

@@ -229,8 +229,10 @@ class CompiledTraining:
     def local_of(self, full: torch.Tensor, spec: ShardingSpec) -> torch.Tensor:
         return spec.local_of(full.detach().to(self.device), self.coord_ints)
 
-    def apply(self, local_args: Sequence[torch.Tensor]):
-        return _TrainingStep.apply(self, self.coord, *local_args)
+    def apply(self, local_args: Sequence[torch.Tensor], side: dict | None = None):
+        """The forward outputs (local), differentiable; ``side``: {output index: global gradient}
+        that reaches the backward another way than through the output (a KeptTensor's)."""
+        return _TrainingStep.apply(self, self.coord, side, *local_args)
 
     def __call__(self, *inputs, grad_outputs=None):
         """One forward+backward on the global ``inputs`` with the program's own (captured)
@@ -332,13 +334,16 @@ def _no_double_backward():
 
 class _TrainingStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner, coord, *args):
+    def forward(ctx, runner, coord, side, *args):
         if runner.localize is not None:
             args = runner.localize(args)
         outs = list(runner.fw(coord, *args))
         n = runner.num_fwd
         saved = outs[n:]
-        ctx.runner = runner
+        ctx.runner, ctx.side = runner, side
+        # an output no gradient reaches comes back as None (zeros made below, in the shape of the
+        # program's incoming gradient, which need not be the output's: a KeptTensor's)
+        ctx.set_materialize_grads(False)
         tensors = [t for t in saved if isinstance(t, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.layout = [isinstance(t, torch.Tensor) for t in saved]
@@ -359,17 +364,19 @@ class _TrainingStep(torch.autograd.Function):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         # Inductor asserts the strides it compiled for: saved activations are handed over contiguous
         saved = [next(tensors).contiguous() if is_t else next(others) for is_t in ctx.layout]
+        coord = ctx.runner.coord_ints
+        side = ctx.side or {}
         tangents = [
             grads[i].contiguous()
             if grads[i] is not None
-            else torch.zeros(
-                local_shape(s, ctx.runner.coord_ints), dtype=s.dtype, device=ctx.runner.device
-            )
+            else s.local_of(side[i].to(ctx.runner.device), coord)
+            if side.get(i) is not None
+            else torch.zeros(local_shape(s, coord), dtype=s.dtype, device=ctx.runner.device)
             for i, s in ctx.runner.tangents
         ]
         with fail_together(f"the backward of the sharded program of {ctx.runner.program.name}"):
             outs = ctx.runner.bw(*saved, *tangents)
-        return (None, *ctx.runner.grads_for_inputs(list(outs)))
+        return (None, None, *ctx.runner.grads_for_inputs(list(outs)))
 
 
 class SimulatedTraining(torch.autograd.Function):
