@@ -20,11 +20,15 @@ cache; two untimed generations compile every program, the timed third includes t
 its median decode step (time between tokens, from a streamer), the collectives and bytes one
 decode step moves (fxshard: its last decode program; HF: counted at dispatch), and how many
 programs fxshard built for the generations (prefill + decode programs, whatever the length).
+The first forward's time is the compile (first call). The training table: ``model(x,
+labels=x).loss.backward()`` and an AdamW step in train mode (the model makes and returns its
+cache, as users call it): collectives per step, step time, the first step's time (compile), and
+whether the losses of the first steps equal single device's.
 Ratios are fxshard / HF. On 2 cores
 the ranks share the CPUs: quote medians and ratios.
 
     python benchmarks/hf.py [--ranks 4] [--archs llama,qwen3,...] [--batch 4] [--seq 64]
-                            [--forward-only]
+                            [--forward-only] [--no-train]
 """
 
 from __future__ import annotations
@@ -88,7 +92,67 @@ class Stamps:
         return statistics.median(gaps) if gaps else float("nan")
 
 
-def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True):
+def train_rows(dm, archs, x, repeats, steps=3):
+    """Per architecture: a training step (``model(x, labels=x).loss.backward()``, AdamW, train
+    mode: the model makes and returns its cache, as users call it) under HF TP +
+    ``torch.compile`` and under the fxshard backend: the first step's time (compile), the median
+    of ``repeats`` more (alternating), the collectives of one step (fxshard: its training
+    programs, forward and backward; HF: counted at dispatch on its eager twin), and whether every
+    step's loss equals single device's."""
+    import torch.distributed as dist
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from fxshard.backend import compiled_programs, programs_built
+
+    out = {}
+    for name in archs:
+        base = build(name).train()
+        torch._dynamo.reset()
+        ref = copy.deepcopy(base)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        hf_eager = apply_tensor_parallelism(copy.deepcopy(base), dm)
+        counter = CollectiveBytes()
+        with counter:
+            hf_eager(x, labels=x).loss.backward()
+        hf = apply_tensor_parallelism(copy.deepcopy(base), dm)
+        fx = copy.deepcopy(base)
+        models = {
+            HF: torch.compile(hf),
+            FX: torch.compile(fx, backend="fxshard", options={"mesh": dm, "plan": base.tp_plan}),
+        }
+        opts = {HF: torch.optim.AdamW(hf.parameters(), lr=1e-3),
+                FX: torch.optim.AdamW(fx.parameters(), lr=1e-3)}  # fmt: skip
+        row = {k: dict(times=[], same=True) for k in models}
+        n0 = programs_built()
+        for step in range(1 + repeats):
+            ref_opt.zero_grad()
+            want = ref(x, labels=x).loss
+            want.backward()
+            ref_opt.step()
+            for label, m in models.items():
+                dist.barrier()
+                t = time.perf_counter()
+                opts[label].zero_grad()
+                loss = m(x, labels=x).loss
+                loss.backward()
+                opts[label].step()
+                dt = time.perf_counter() - t
+                if step == 0:
+                    row[label]["first_s"] = dt
+                else:
+                    row[label]["times"].append(dt)
+                if step < steps:  # AdamW drifts apart in rounding after a few steps
+                    close = torch.allclose(loss.detach(), want.detach(), rtol=1e-4, atol=1e-4)
+                    row[label]["same"] &= bool(close)
+        row[HF]["calls"] = len(counter.calls)
+        row[FX]["calls"] = sum(len(p.collectives()) for p in compiled_programs(n0))
+        for label in models:
+            row[label]["step_ms"] = 1e3 * statistics.median(row[label].pop("times"))
+        out[name] = row
+    return out
+
+
+def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True, train=True):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
@@ -199,6 +263,8 @@ def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True):
         row[HF]["calls"] = hf_calls
         row[FX]["calls"] = fx_calls
         out[name] = row
+    if train:
+        out["train"] = train_rows(dm, archs, x, repeats)
     return out
 
 
@@ -211,12 +277,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--forward-only", action="store_true", help="no generate() tables")
+    ap.add_argument("--no-train", action="store_true", help="no training-step table")
     args = ap.parse_args()
     from fxshard.runtime.launch import spawn
 
     archs = args.archs.split(",")
     per_rank = spawn(args.ranks, worker, archs, args.batch, args.seq, args.tokens, args.repeats,
-                     not args.forward_only, timeout=3000)  # fmt: skip
+                     not args.forward_only, not args.no_train, timeout=3000)  # fmt: skip
     hf, fx = HF, FX
 
     def med(name, label, key, cache=None):
@@ -232,17 +299,41 @@ def main():
     )
     print(
         f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
-        f"{'fx/HF':>6} {'same HF/fx':>10}"
+        f"{'fx/HF':>6} {'same HF/fx':>10} {'first call s HF/fx':>18} {'fx/HF':>6}"
     )
     for name in archs:
         r0 = per_rank[0][name]
         same = [all(r[name][k]["same"] for r in per_rank) for k in (hf, fx)]
+        first = [med(name, k, "first_s") for k in (hf, fx)]
         print(
             f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} "
             f"{med(name, hf, 'step_ms'):10.1f} {med(name, fx, 'step_ms'):10.1f} "
             f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
-            f"{str(same[0]):>5}/{str(same[1]):<5}"
+            f"{str(same[0]):>5}/{str(same[1]):<5} {first[0]:8.1f}/{first[1]:<9.1f} "
+            f"{first[1] / first[0]:6.2f}"
         )
+    if not args.no_train:
+        print()
+        print(
+            "training step (labels=, AdamW, train mode: the model returns its cache): collectives "
+            "per step (HF: eager twin; fx: its programs), step ms (median), first step s "
+            "(compile), losses equal to single device"
+        )
+        print(
+            f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
+            f"{'fx/HF':>6} {'first s HF/fx':>14} {'fx/HF':>6} {'same HF/fx':>10}"
+        )
+        for name in archs:
+            rows = [r["train"][name] for r in per_rank]
+            r0 = rows[0]
+            ms = [statistics.median(r[k]["step_ms"] for r in rows) for k in (hf, fx)]
+            first = [statistics.median(r[k]["first_s"] for r in rows) for k in (hf, fx)]
+            same = [all(r[k]["same"] for r in rows) for k in (hf, fx)]
+            print(
+                f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} {ms[0]:10.1f} "
+                f"{ms[1]:10.1f} {ms[1] / ms[0]:6.2f} {first[0]:6.1f}/{first[1]:<7.1f} "
+                f"{first[1] / first[0]:6.2f} {str(same[0]):>5}/{str(same[1]):<5}"
+            )
     for cache in CACHES if not args.forward_only else ():
         print()
         print(
