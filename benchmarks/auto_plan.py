@@ -10,7 +10,7 @@ cost (communication + compute, the figures auto minimises) of auto's plan and of
 each under the same per-rank memory budget check.
 
     python benchmarks/auto_plan.py [--layers 2 8 32] [--seq 2048] [--batch 64]
-    python benchmarks/auto_plan.py --scale [--only 8B@8x8 70B@4x4x4] [--time-limit 60]
+    python benchmarks/auto_plan.py --scale [--only 8B@8x8 70B@4x4x4] [--time-budget 60]
 
 ``--scale``: torchtitan-style LLaMA-3 8B / 70B / 405B shapes on (dp, tp) and (dp, cp, tp) meshes,
 time to plan and modelled cost against the hand plan (torchtitan's TP on tp, batch elsewhere).
@@ -116,7 +116,7 @@ def scale(args):
 
     print(
         f"plan='auto', torchtitan-style LLaMA-3 (bf16, meta), joint fwd+bwd, batch {args.batch} x "
-        f"seq {args.seq}, solver limit {args.time_limit:.0f} s"
+        f"seq {args.seq}, time budget {args.time_budget:.0f} s"
     )
     print(
         "| model | mesh | nodes | capture s | plan s | capture + plan s | auto cost ms | "
@@ -131,7 +131,7 @@ def scale(args):
         model = titan(shape)
         tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
         hand, _, _ = run(model, tokens, mesh, others.tp_plan(model))
-        opts = fxshard.AutoOptions(time_limit_s=args.time_limit)
+        opts = fxshard.AutoOptions(time_budget_s=args.time_budget)
         t0 = time.perf_counter()
         try:
             auto, cap_s, plan_s = run(model, tokens, mesh, "auto", auto_options=opts)
@@ -168,7 +168,7 @@ def main():
         help="the torchtitan-style 8B / 70B / 405B rows on 2-D and 3-D meshes instead",
     )
     ap.add_argument("--only", nargs="*", default=[], help="--scale rows, e.g. 8B@8x8 70B@4x4x4")
-    ap.add_argument("--time-limit", type=float, default=60.0, help="AutoOptions.time_limit_s")
+    ap.add_argument("--time-budget", type=float, default=60.0, help="AutoOptions.time_budget_s")
     args = ap.parse_args()
     if args.scale:
         return scale(args)

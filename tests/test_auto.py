@@ -265,7 +265,11 @@ def test_a_solver_out_of_time_returns_the_best_plan_known(caplog):
     mesh = fxshard.MeshSpec((2, 2), names=("dp", "tp"))
     with caplog.at_level("WARNING", logger="fxshard"):
         prog = fxshard.shard(
-            m, mesh, plan="auto", example_inputs=x, auto_options=fxshard.AutoOptions(time_limit_s=0)
+            m,
+            mesh,
+            plan="auto",
+            example_inputs=x,
+            auto_options=fxshard.AutoOptions(time_budget_s=0),
         )
     report = prog.captured.auto
     assert "TimeLimit" in report.stopped and report.ilp_variables > 0, report
@@ -284,7 +288,7 @@ def test_the_global_search_is_never_worse_than_the_plan_it_starts_from(monkeypat
     def worst(u):
         return int(torch.where(torch.isfinite(u), u, -1.0).argmax())
 
-    def dearest(core, unary, factors, memory, budget, options, report):
+    def dearest(core, unary, factors, memory, budget, options, report, deadline):
         report.stopped = "made to fail"
         return {v: worst(unary[v]) for v in core}
 
@@ -318,8 +322,8 @@ def test_the_global_search_is_never_worse_than_the_plan_it_starts_from(monkeypat
 
 
 def test_a_3d_mesh_plan_of_a_small_model_within_its_time_limit():
-    """plan="auto" on a (dp, cp, tp) mesh: a Megatron MLP's training step under a 0.5 s solver
-    limit comes back with a plan, its gap or its stop reported, that trains as single device
+    """plan="auto" on a (dp, cp, tp) mesh: a Megatron MLP's training step under the default time
+    budget comes back with a plan, its gap or its stop reported, that trains as single device
     does; solved per mesh dim, it costs what the whole product of per-dim states (245k ILP
     columns for three matmuls, decompose=False) costs."""
     torch.manual_seed(0)
@@ -332,7 +336,6 @@ def test_a_3d_mesh_plan_of_a_small_model_within_its_time_limit():
         plan="auto",
         example_inputs=x,
         training=True,
-        auto_options=fxshard.AutoOptions(time_limit_s=0.5),
     )
     report = prog.captured.auto
     assert report.ilp_columns > 0 and (report.stopped or report.ilp_gap <= 5e-3), report
@@ -377,3 +380,38 @@ def test_a_3d_mesh_plan_is_never_worse_than_the_hand_plans():
     assert _rel(out, ref) < 1e-5
     for fqn, p in m.named_parameters():
         assert _rel(grads[fqn], p.grad) < 1e-4, fqn
+
+
+def test_the_time_budget_bounds_the_whole_solve(recwarn):
+    """AutoOptions(time_budget_s=...) is the time of the whole solve, the problem's build included:
+    on a (dp, cp, tp) mesh a spent budget stops the per-mesh-dim steps after the first, and the
+    plan that comes back trains as single device does.  time_limit_s, its former name, still works
+    (with a DeprecationWarning); a negative budget is refused."""
+    old = fxshard.AutoOptions(time_limit_s=3)
+    assert old.time_budget_s == 3.0 and old.time_limit_s is None
+    assert any(issubclass(w.category, DeprecationWarning) for w in recwarn.list)
+    assert fxshard.AutoOptions().time_budget_s == 60.0
+    with pytest.raises(ValueError, match="time_budget_s"):
+        fxshard.AutoOptions(time_budget_s=-1)
+    torch.manual_seed(0)
+    m = zoo.init_weights(zoo.MegatronMLP(), seed=0)
+    x = (torch.randn(8, 16, 16),)
+    mesh = fxshard.MeshSpec((2, 2, 2), names=("dp", "cp", "tp"))
+    reports = {}
+    for budget in (0.0, 60.0):
+        prog = fxshard.shard(
+            m,
+            mesh,
+            plan="auto",
+            example_inputs=x,
+            training=True,
+            auto_options=fxshard.AutoOptions(time_budget_s=budget),
+        )
+        reports[budget] = prog.captured.auto
+        ref = m(*x)
+        out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
+        assert _rel(out, ref) < 1e-5
+    spent, full = reports[0.0], reports[60.0]
+    assert spent.decomposed.count("tied") == 1 and "time budget spent" in spent.decomposed, spent
+    assert full.decomposed.count("tied") == 2 and "time budget" not in full.decomposed, full
+    assert full.objective_us <= spent.objective_us + 1e-9

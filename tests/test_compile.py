@@ -361,7 +361,7 @@ def test_backend_is_registered_by_entry_point():
         ({"mesh": 4, "plan": {}}, "'mesh' takes a DeviceMesh"),
         ({"mesh": MESH_TP, "plan": {}, "simulate": "yes"}, "'simulate' takes True or False"),
         (
-            {"mesh": MESH_TP, "plan": {}, "simulate": True, "auto_options": {"time_limit_s": 1}},
+            {"mesh": MESH_TP, "plan": {}, "simulate": True, "auto_options": {"time_budget_s": 1}},
             "auto_options applies to plan='auto'",
         ),
         (

@@ -126,7 +126,9 @@ def test_arguments_of_the_wrong_kind():
 
 def test_friendlier_forms_are_accepted():
     # a mesh shape, a dict of AutoOptions fields, and "" for the model itself
-    prog = fxshard.shard(MLP(), (2,), "auto", example_inputs=(X,), auto_options={"time_limit_s": 5})
+    prog = fxshard.shard(
+        MLP(), (2,), "auto", example_inputs=(X,), auto_options={"time_budget_s": 5}
+    )
     assert prog.mesh.shape == (2,)
     lin = nn.Linear(8, 16)
     # one input given as the tensor itself, not a tuple of one

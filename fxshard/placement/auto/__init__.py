@@ -106,7 +106,7 @@ def _solve_states(fg: FactorGraph, keep: list[torch.Tensor] | None = None) -> li
         sub_factors = {(u, v): t[kept[u]][:, kept[v]] for (u, v), t in factors.items()}
         fg.report.pruned_states = sum(len(unary[v]) - len(kept[v]) for v in core)
         for v, s in solve_ilp(
-            core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report
+            core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report, fg.deadline
         ).items():
             choice[v] = int(kept[v][s])
     t2 = time.perf_counter()
@@ -161,9 +161,12 @@ def _solve_decomposed(fg: FactorGraph) -> list[int]:
     nd = fg.mesh.ndim
     single = [torch.zeros(1, dtype=torch.long) for _ in fg.vars]
     followers = {i for i, v in enumerate(fg.vars) if v.derived is not None or len(v.states) < 2}
-    deadline = time.perf_counter() + fg.opt.time_limit_s
+    deadline = fg.deadline
     best, best_cost, steps = None, math.inf, []
     for cut in range(1, nd):
+        if best is not None and time.perf_counter() >= deadline:
+            steps.append("time budget spent")
+            break
         groups = [list(range(cut)), list(range(cut, nd))]
         keep = []
         for i, pid in enumerate(pids):
@@ -249,10 +252,11 @@ def annotate_auto(
     every other node choosing among that annotation's state and the states its producers feed
     as they are (the ``search="global"`` of a fixed plan)."""
     t0 = time.perf_counter()
+    options = options or AutoOptions()
     fg = FactorGraph(
         gm,
         problem,
-        options or AutoOptions(),
+        options,
         blocks=blocks,
         training=training,
         anchored=anchored,

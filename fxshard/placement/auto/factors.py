@@ -82,6 +82,8 @@ class FactorGraph:
         anchored: bool = False,
     ):
         self.gm, self.p, self.opt = gm, problem, options
+        # the time budget covers the whole solve, this build included (time.perf_counter's clock)
+        self.deadline = time.perf_counter() + options.time_budget_s
         # the graph carries an annotation (greedy's): placeholders keep theirs, and every other
         # node's states are that annotation's plus those its producers' states feed as they are
         self.anchored = anchored

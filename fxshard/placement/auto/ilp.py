@@ -228,7 +228,7 @@ def _build(core, unary, factors, memory, budget) -> _Model:
     )
 
 
-def _highs(model: _Model, options: AutoOptions):
+def _highs(model: _Model, options: AutoOptions, time_left: float):
     import highspy
     import numpy as np
 
@@ -236,7 +236,7 @@ def _highs(model: _Model, options: AutoOptions):
     h.setOptionValue("output_flag", False)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("threads", 1)
-    h.setOptionValue("time_limit", float(options.time_limit_s))
+    h.setOptionValue("time_limit", max(0.0, float(time_left)))
     h.setOptionValue("mip_rel_gap", float(options.mip_gap))
     h.addCols(
         model.n,
@@ -314,21 +314,23 @@ def solve_ilp(
     budget: float | None,
     options: AutoOptions,
     report: AutoReport,
+    deadline: float,
 ) -> dict[int, int]:
     """{core variable: chosen state}: the rounded LP where it is within ``mip_gap`` of the bound,
-    else branch and bound.  Raises ``AutoInfeasible`` when nothing meets the budget."""
+    else branch and bound, both stopped at ``deadline`` (``time.perf_counter()``'s clock: the
+    solve's time budget) with the best plan known.  Raises ``AutoInfeasible`` when nothing meets
+    the memory budget."""
     import highspy
 
     model = _build(core, unary, factors, memory, budget)
-    h = _highs(model, options)
+    h = _highs(model, options, deadline - time.perf_counter())
     report.ilp_variables = len(core)
     report.ilp_columns = model.n
-    t_lp = time.perf_counter()
     status, start, bound = _relaxation(h, model, core, unary, factors, memory, budget, report)
     if start is not None and report.ilp_gap <= options.mip_gap:
         report.ilp_rounded = True
         return dict(start)
-    time_left = float(options.time_limit_s) - (time.perf_counter() - t_lp)
+    time_left = deadline - time.perf_counter()
     if status == highspy.HighsModelStatus.kTimeLimit or time_left <= 0:
         # the time limit ran out in the relaxation: the best plan known, never an exception
         return _best_known(core, unary, factors, memory, budget, start, bound, report, str(status))
@@ -377,14 +379,14 @@ def _best_known(core, unary, factors, memory, budget, start, bound, report, why:
     if plan is None:
         raise AutoInfeasible(
             f"plan='auto': the solver stopped ({why}) before finding a plan within memory_budget "
-            f"{size_text(budget)}: raise AutoOptions(time_limit_s=...) or the budget"
+            f"{size_text(budget)}: raise AutoOptions(time_budget_s=...) or the budget"
         )
     obj = _objective(core, unary, factors, plan)
     report.stopped = why
     report.ilp_gap = (obj - bound) / max(abs(obj), 1e-12) if bound is not None else math.inf
     log.warning(
         "fxshard auto: the solver stopped (%s) before proving a plan; using the best one known "
-        "(gap %.3g to the relaxation's bound); AutoOptions(time_limit_s=...) gives it more time",
+        "(gap %.3g to the relaxation's bound); AutoOptions(time_budget_s=...) gives it more time",
         why,
         report.ilp_gap,
     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 
@@ -16,9 +17,13 @@ class AutoOptions:
     it, replicating everything costs nothing).  ``share_layers``: identical repeated layers take one
     decision.  ``follow``: an op with one tensor input takes its input's placement as it is where
     its rule allows (no decision of its own; off: every op is a decision, slower, rarely cheaper).
-    ``time_limit_s``: the time the solver of the cross-edge integer program may take (its LP
-    relaxation and branch and bound together); when it runs out, the best plan known so far is
-    returned (the report says so and gives its gap), never an exception.  ``mip_gap``: the
+    ``time_budget_s`` (default 60): the time plan="auto" may take from the captured graph to
+    the chosen plan (building the problem, every LP relaxation, branch and bound and
+    per-mesh-dim step together); when it runs out, the best plan known so far is returned
+    (``AutoReport.stopped`` says so, ``ilp_gap`` gives its proven gap), never an exception.
+    Building the problem (legal states, pairwise costs: ``AutoReport.times``) is not
+    interrupted: where it alone outlasts the budget, the solve keeps the best plan it finds
+    without search.  ``time_limit_s``: its former name (deprecated).  ``mip_gap``: the
     relative gap at which it stops (the plan is then within that fraction of the modelled
     optimum).  ``decompose``: solve per mesh dim (None, the default: on meshes of three or more
     dims): one solve per split of the mesh dims into two contiguous groups, over the states that
@@ -31,9 +36,22 @@ class AutoOptions:
     compute: bool = True
     share_layers: bool = True
     follow: bool = True
-    time_limit_s: float = 60.0
+    time_budget_s: float = 60.0
     mip_gap: float = 5e-3
     decompose: bool | None = None
+    time_limit_s: float | None = None  # deprecated: time_budget_s
+
+    def __post_init__(self):
+        if self.time_limit_s is not None:
+            warnings.warn(
+                "AutoOptions(time_limit_s=...) is now AutoOptions(time_budget_s=...)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "time_budget_s", float(self.time_limit_s))
+            object.__setattr__(self, "time_limit_s", None)
+        if not self.time_budget_s >= 0:
+            raise ValueError(f"AutoOptions: time_budget_s must be >= 0, got {self.time_budget_s}")
 
 
 @dataclass
@@ -53,7 +71,7 @@ class AutoReport:
     pruned_states: int = 0  # dominated states dropped before the ILP
     ilp_gap: float = 0.0  # proven relative gap of the plan to the optimum of the cross-edge program
     ilp_rounded: bool = False  # the LP relaxation, rounded and improved, was within mip_gap
-    stopped: str = ""  # why the solver stopped before proving its plan (its time limit), or ""
+    stopped: str = ""  # why the solver stopped before proving its plan (the time budget), or ""
     kept_start: bool = False  # the plan solved around (search="global") was cheaper: kept
     decomposed: str = ""  # the per-mesh-dim steps (meshes of 3+ dims), or ""
     times: dict = field(default_factory=dict)
