@@ -10,11 +10,13 @@ from ``load_full_state_dict`` (streamed: one global tensor at a time), DCP, or a
 
 Calling the module captures the model (on fake tensors: no memory) for the input shapes at hand,
 shards it with the same plan, compiles the per-rank program with Inductor and runs it on the local
-shards. Inputs are the global values (every rank passes the same); outputs are the global values
-(the program replicates them, with or without autograd), or, with ``outputs="dtensor"``, DTensors
-of the placements the program produced (``output_specs``; no gather): a KV cache handed back and
-in stays sharded across calls (``zoo.CachedLlama``).  Buffers the forward updates in place are
-updated in their own shards (placed as the plan says, replicated where it names none).
+shards. It is called as the model is (keywords, ``None`` and flags included: each distinct set of
+constants is its own program). Inputs are the global values (every rank passes the same); outputs
+are the global values (the program replicates them, with or without autograd), or, with
+``outputs="dtensor"``, DTensors of the placements the program produced (``output_specs``; no
+gather): a KV cache handed back and in stays sharded across calls (``zoo.CachedLlama``).  Buffers
+the forward updates in place are updated in their own shards (placed as the plan says, replicated
+where it names none).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import api
 from ._torch import Replicate, dtensor_local, fake_mode, is_dtensor, set_module_tensor
+from .capture.common import CallArgs
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
@@ -135,6 +138,7 @@ class ParallelModule(nn.Module):
         self.uninitialised: set[str] = set()
         self._materialise(init_fn)
         self._programs: dict = {}
+        self._constants: dict = {}  # (program, name) -> this rank's part of a lifted constant
 
     # ---- the model's own names, as torch's state-dict helpers read them -----------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate=True):
@@ -293,14 +297,15 @@ class ParallelModule(nn.Module):
             for owner, name, local, is_param in saved:
                 set_module_tensor(owner, name, local, parameter=is_param)
 
-    def program_for(self, *inputs, training: bool = False):
-        """The ShardedProgram (and its compiled form) for inputs of these shapes."""
+    def program_for(self, *inputs, training: bool = False, call: CallArgs | None = None):
+        """The ShardedProgram (and its compiled form) for inputs of these shapes.  ``call``: how
+        the forward is called when not with these tensors alone (keywords, ``None``, flags: see
+        ``forward``); ``inputs`` are then its tensors in order."""
         for x in inputs:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(
-                    f"fxshard.parallelize: forward takes tensors only (got {type(x).__name__}); "
-                    "bind "
-                    f"other arguments in the module"
+                    f"fxshard.parallelize: program_for takes the call's tensors (got "
+                    f"{type(x).__name__}); pass the rest as call=CallArgs(args, kwargs)"
                 )
         # what the captured program depends on besides shapes: which parameters train, and each
         # submodule's train/eval mode (dropout, norms); DTensor inputs: their specs
@@ -310,6 +315,7 @@ class ParallelModule(nn.Module):
         ]
         key = (
             training,
+            call.key() if call is not None else None,
             tuple(p.requires_grad for p in self.module.parameters()),
             tuple(m.training for m in self.module.modules()),
             *((tuple(x.shape), x.dtype, x.requires_grad, g) for x, g in zip(inputs, given)),
@@ -327,7 +333,7 @@ class ParallelModule(nn.Module):
                 else x
                 for x in inputs
             ]
-        with self._global_meta_state(fm):
+        with self._global_meta_state(fm), _called_with(self.module, call):
             prog = api.shard(
                 self.module,
                 self.mesh,
@@ -343,7 +349,11 @@ class ParallelModule(nn.Module):
             )
         for p in prog.placeholders:
             rec = info(p)
-            if rec.kind in STATE_KINDS and rec.spec != self.specs[rec.fqn]:
+            if (
+                rec.kind in STATE_KINDS
+                and rec.fqn in self.specs
+                and rec.spec != self.specs[rec.fqn]
+            ):
                 raise AssertionError(
                     f"fxshard.parallelize: {rec.fqn} was sharded as {self.specs[rec.fqn]} but the "
                     f"program wants {rec.spec}"
@@ -374,7 +384,26 @@ class ParallelModule(nn.Module):
     # compiled already (per input shapes, with Inductor): torch.compile of it, or of a model that
     # calls it, runs it as it is (a graph break around it) rather than tracing its machinery
     @torch.compiler.disable
-    def forward(self, *inputs):
+    def forward(self, *args, **kwargs):
+        """The model's forward on the shards, called as the model is: positional and keyword
+        arguments, tensors (global values or DTensors) in any pytree container, and constants
+        (``None``, numbers, strings, flags), which the program bakes in: each distinct call
+        signature gets its own program (``model(input_ids=x, labels=y)`` as transformers models
+        are called)."""
+        call = None
+        if kwargs or not all(isinstance(x, torch.Tensor) for x in args):
+            call = CallArgs(args, kwargs)
+            if call.unsupported:
+                raise TypeError(
+                    f"fxshard.parallelize({type(self.module).__name__}): the forward is called "
+                    f"with a {call.unsupported[0]}; a sharded program takes tensors, containers "
+                    "of them and constants (None, numbers, strings). Pass its tensors instead "
+                    "(for a transformers cache: use_cache=False, or torch.compile(model, "
+                    'backend="fxshard", options=...), which keeps a cache sharded between calls)'
+                )
+            inputs = tuple(call.tensors)
+        else:
+            inputs = args
         if self.uninitialised:
             raise RuntimeError(
                 f"fxshard.parallelize: {len(self.uninitialised)} tensors of the meta-built model "
@@ -389,7 +418,7 @@ class ParallelModule(nn.Module):
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
         )
         inputs = tuple(self._program_input(i, x) for i, x in enumerate(inputs))
-        prog, compiled = self.program_for(*inputs, training=training)
+        prog, compiled = self.program_for(*inputs, training=training, call=call)
         with fail_together(f"the sharded program of {prog.name}"):
             # the shards differ across ranks by design: the ranks compare the (global) inputs only
             compiled.agreement.check(
@@ -399,7 +428,9 @@ class ParallelModule(nn.Module):
             for p in prog.placeholders:
                 rec = info(p)
                 if rec.kind in STATE_KINDS:
-                    args.append(self._local(rec.fqn))
+                    args.append(
+                        self._local(rec.fqn) if rec.fqn in self.specs else self._constant(prog, rec)
+                    )
                 elif rec.kind == INPUT:
                     x = inputs[rec.input_index]
                     if is_dtensor(x):  # its shard as it is (to_local: differentiable)
@@ -425,11 +456,46 @@ class ParallelModule(nn.Module):
             wrap = self._wrappers[prog] = output_wrapper(specs, self.device_mesh, as_dtensor)
         return wrap(flat)
 
+    def _constant(self, prog, rec) -> torch.Tensor:
+        """This rank's part of a tensor the model makes from Python values as it runs (Gemma's
+        ``torch.tensor(hidden_size**0.5)``): the capture lifts it out of the graph as a constant,
+        which no parameter or buffer holds."""
+        key = (id(prog), rec.fqn)
+        hit = self._constants.get(key)
+        if hit is None:
+            value = prog.captured.state[rec.fqn].detach().to(self.device)
+            hit = self._constants[key] = rec.spec.local_of(value, self.coord)
+        return hit
+
     def _program_input(self, i: int, x):
         if not is_dtensor(x):
             return x
         check_mesh(x, self.device_mesh, f"input {i}")
         return as_program_arg(x, self.mesh, f"input {i}")
+
+
+@contextlib.contextmanager
+def _called_with(module: nn.Module, call: CallArgs | None):
+    """While capturing: ``module``'s forward takes the call's tensors alone (the program's inputs)
+    and calls the model's own forward with the call's keywords and constants rebuilt around them."""
+    if call is None:
+        yield
+        return
+    own = module.__dict__.get("forward")  # an instance's own forward (patched), else the class's
+    original = module.forward
+
+    def forward(*tensors):
+        args, kwargs = call.rebuild(tensors)
+        return original(*args, **kwargs)
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is not None:
+            module.forward = own
+        else:
+            del module.forward
 
 
 def parallelize(model: nn.Module, device_mesh: DeviceMesh, plan: dict, **kwargs) -> ParallelModule:

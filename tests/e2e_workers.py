@@ -1505,3 +1505,64 @@ def hf_train_cache(rank, world, names):
         theirs = sum(_comm_counts(hf, x, labels=labels).values())
         out[name] = dict(err=max(errs), kinds=kinds, ours=ours, torch=theirs)
     return out
+
+
+def hf_parallelize_train(rank, world, names, steps=3):
+    """transformers models trained with sharded parameters, called as users call them:
+    ``fxshard.parallelize(model, mesh, tp_plan)`` then ``pm(input_ids=x, labels=y).loss
+    .backward()`` and AdamW on the DTensor parameters (``use_cache=False``, as training sets it),
+    an eval call with ``attention_mask=`` between steps.  Per architecture: the worst relative
+    error of losses, logits and the final weights against single device, the collectives of one
+    training step (fxshard: its program's; transformers' own TP: counted by CommDebugMode in the
+    same run), and the programs built."""
+    import copy
+
+    import test_hf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    dm = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for name in names:
+        torch._dynamo.reset()
+        ref, plan, _, x, labels = test_hf._build(name)
+        labels = labels.clone()
+        labels[0, :2] = -100
+        ref.config.use_cache = False
+        ref.train()
+        hf = apply_tensor_parallelism(copy.deepcopy(ref), dm)
+        with CommDebugMode() as cm:
+            hf(input_ids=x, labels=labels).loss.backward()
+        pm = fxshard.parallelize(copy.deepcopy(ref), dm, plan)
+        opts = [_optimizer("adamw", m.parameters()) for m in (ref, pm)]
+        mask = torch.ones_like(x)
+        mask[1, :3] = 0  # left padding on one row
+        errs = []
+        for _ in range(steps):
+            losses = []
+            for m, opt in zip((ref, pm), opts):
+                opt.zero_grad()
+                loss = m(input_ids=x, labels=labels).loss
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            errs.append(_rel(losses[1], losses[0]))
+            with torch.no_grad():
+                got = pm(x, attention_mask=mask).logits
+                want = ref(x, attention_mask=mask).logits
+            errs.append(_rel(got, want))
+        full = pm.full_state_dict()
+        errs += [
+            float((full[k] - v).abs().max() / v.abs().max().clamp_min(1e-2))
+            for k, v in ref.state_dict().items()
+            if k in full
+        ]
+        train = [p for (key, (p, _)) in pm._programs.items() if key[0]]
+        out[name] = {
+            "err": max(errs),
+            "ours": len(train[0].collectives()) if train else None,
+            "torch": cm.get_total_counts(),
+            "programs": len(pm._programs),
+        }
+    return out

@@ -404,3 +404,51 @@ def test_a_loss_on_vocab_sharded_logits_is_computed_on_the_shards(loss, mesh):
     tp = len(mesh) - 1  # (on the batch dim the planner may gather a gradient for its weight's)
     moved = [c for c in prog.collectives() if tp in c.mesh_dims and c.bytes >= shard_bytes // 4]
     assert not moved, prog.explain()
+
+
+def test_parallelize_is_called_as_the_model_is(one_rank_mesh):
+    """Keywords, keyword-only arguments, None, flags and dicts of tensors reach the model's forward
+    as they were passed (transformers models are called ``model(input_ids=x, labels=y)``); each
+    distinct set of constants is its own program; an object a program cannot take is a clear
+    TypeError naming it."""
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None, *, extra=None, scale: float = 1.0, square=False):
+            y = self.fc(x) * scale
+            if mask is not None:
+                y = y * mask
+            if extra is not None:
+                y = y + extra["bias"]
+            return {"y": y * y if square else y}
+
+    torch.manual_seed(0)
+    model = Keywords()
+    ref = Keywords()
+    ref.load_state_dict(model.state_dict())
+    pm = fxshard.parallelize(model, one_rank_mesh, {}, inductor=False)
+    x, mask, bias = torch.randn(3, 4), (torch.rand(3, 4) > 0.5).float(), torch.randn(4)
+    calls = [
+        ((x,), {}),
+        ((x,), {"mask": mask}),
+        ((), {"x": x, "extra": {"bias": bias}, "scale": 2.0}),
+        ((x, None), {"scale": 2.0, "square": True}),
+        ((x,), {"scale": 3.0}),
+    ]
+    for args, kwargs in calls:
+        with torch.no_grad():
+            torch.testing.assert_close(pm(*args, **kwargs)["y"], ref(*args, **kwargs)["y"])
+    assert len(pm._programs) == len(calls)  # the constants are part of each program
+    # under autograd: the parameters' gradients of a keyword call
+    pm(x, mask=mask, extra={"bias": bias}, square=True)["y"].sum().backward()
+    ref(x, mask=mask, extra={"bias": bias}, square=True)["y"].sum().backward()
+    torch.testing.assert_close(pm.module.fc.weight.grad.full_tensor(), ref.fc.weight.grad)
+
+    class Cache:  # an object pytree does not know (a transformers cache)
+        pass
+
+    with pytest.raises(TypeError, match="called with a Cache.*use_cache=False"):
+        pm(x, extra=Cache())

@@ -38,12 +38,31 @@ def test_transformers_training_with_labels_on_gloo_ranks():
     a default no_grad call between steps, then greedy generate(), on 2 gloo ranks with Inductor."""
     # every architecture of tests/test_hf.py (a masked LM and an image classifier train and answer
     # the default call; the causal LMs generate too)
-    names = list(test_hf.ARCHS)
+    # (not Qwen2 / Mistral: Llama's code with a q/k/v bias / a sliding window longer than these
+    # inputs, trained on simulated ranks in tests/test_hf.py; CI time)
+    names = [n for n in test_hf.ARCHS if n not in ("qwen2", "mistral")]
     for rank_results in spawn(2, e2e_workers.hf_train, names, timeout=1200, collective_timeout=60):
         assert [r[0] for r in rank_results] == names
         for name, rel, same_tokens in rank_results:
             text = test_hf.ARCHS[name][2] == "text"
             assert rel < 1e-4 and same_tokens is (True if text else None), (name, rel, same_tokens)
+
+
+@pytest.mark.slow
+def test_transformers_training_with_sharded_parameters_on_gloo_ranks():
+    """fxshard.parallelize(model, mesh, tp_plan) called as users call a transformers model
+    (``pm(input_ids=x, labels=y).loss``, ``attention_mask=`` in eval), AdamW on the DTensor
+    parameters, on 2 gloo ranks with Inductor: single device's losses, logits and weights, and a
+    training step with no more collectives than transformers' own TP (the parameters' gradients
+    stay sharded: no gather).  Gemma-2 makes a constant tensor as it runs (its embedding scale);
+    (Phi-3, GPT-2's user plan, Mixtral, OLMo-2, Qwen3-MoE measured alike: docs/benchmarks.md)."""
+    names = ["llama", "gemma2"]
+    for r in spawn(2, e2e_workers.hf_parallelize_train, names, timeout=600, collective_timeout=60):
+        assert list(r) == names
+        for name, got in r.items():
+            assert got["err"] < 1e-4 and got["programs"] == 2, (name, got)
+            if test_hf.ARCHS[name][1] is None:  # the model's own tp_plan: HF's TP applies
+                assert got["ours"] <= got["torch"], (name, got)
 
 
 @pytest.mark.slow

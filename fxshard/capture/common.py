@@ -25,6 +25,8 @@ from .._torch import (
     module_tensor_slots,
     record_frames_of,
     torch_decomposition,
+    tree_flatten,
+    tree_unflatten,
 )
 from ..ir import BOUNDARY, INPUT, TANGENT, NodeKind, info
 from ..rules import stand_ins
@@ -507,3 +509,30 @@ def lift_constants(gm: fx.GraphModule, mode, prefix: str = "") -> dict[str, torc
         out[p.target] = value
         last = p
     return out
+
+
+CONSTANT_LEAVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class CallArgs:
+    """How a module is called: its tensors (a trace's inputs, in pytree order of ``(args,
+    kwargs)``) and everything else (``None``, numbers, strings, flags), which the trace bakes in:
+    part of the call's signature (``key``).  ``unsupported``: the type names of leaves that are
+    neither (an object pytree does not know, e.g. a cache)."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
+        self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        self.unsupported = [
+            type(x).__name__ for x in leaves if not isinstance(x, (torch.Tensor, *CONSTANT_LEAVES))
+        ]
+        self.constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+        self.is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+
+    def key(self) -> tuple:
+        return (str(self.spec), self.constants, self.is_tensor)
+
+    def rebuild(self, tensors: Sequence) -> tuple[tuple, dict]:
+        it = iter(tensors)
+        leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]
+        return tree_unflatten(leaves, self.spec)

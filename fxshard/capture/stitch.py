@@ -42,9 +42,9 @@ from .._torch import (
     is_fake_of,
     no_fake_mode,
     tree_flatten,
-    tree_unflatten,
 )
 from ..ir import BOUNDARY
+from .common import CallArgs
 from .layers import alike_layers, tensor_key
 from .markers import Markers
 
@@ -146,7 +146,7 @@ LAYER_BWD = torch.ops.fxshard.layer_bwd.default
 class _Alone(nn.Module):
     """One layer traced on its own: its class's forward (its own hooks are the model's business)."""
 
-    def __init__(self, layer, call: _Call):
+    def __init__(self, layer, call: CallArgs):
         super().__init__()
         self.inner = layer
         self.call = call
@@ -156,32 +156,15 @@ class _Alone(nn.Module):
         return type(self.inner).forward(self.inner, *args, **kwargs)
 
 
-_CONSTANT_LEAVES = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-class _Call:
-    """How a layer is called: its tensors (the traced graph's inputs, in pytree order of
-    ``(args, kwargs)``) and everything else, which the trace bakes in (part of the signature):
-    HF's decoder layers take ``position_embeddings=(cos, sin)``, masks and flags as keywords."""
-
-    def __init__(self, fqn: str, args: tuple, kwargs: dict):
-        leaves, self.spec = tree_flatten((tuple(args), dict(kwargs)))
-        self.tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if not self.tensors:
-            raise Unsupported(f"{fqn} is called without tensor arguments")
-        for x in leaves:
-            if not isinstance(x, (torch.Tensor, *_CONSTANT_LEAVES)):
-                raise Unsupported(f"{fqn} is called with a {type(x).__name__} argument")
-        self.constants = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
-        self.is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
-
-    def key(self) -> tuple:
-        return (str(self.spec), self.constants, self.is_tensor)
-
-    def rebuild(self, tensors: Sequence) -> tuple[tuple, dict]:
-        it = iter(tensors)
-        leaves = [next(it) if t else c for t, c in zip(self.is_tensor, self.constants)]
-        return tree_unflatten(leaves, self.spec)
+def _call(fqn: str, args: tuple, kwargs: dict) -> CallArgs:
+    """How a layer is called (``CallArgs``): HF's decoder layers take ``position_embeddings=(cos,
+    sin)``, masks and flags as keywords, which the trace bakes in (part of the signature)."""
+    call = CallArgs(args, kwargs)
+    if not call.tensors:
+        raise Unsupported(f"{fqn} is called without tensor arguments")
+    if call.unsupported:
+        raise Unsupported(f"{fqn} is called with a {call.unsupported[0]} argument")
+    return call
 
 
 def _state(layer: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
@@ -222,7 +205,7 @@ def opaque_layers(
     prefix = f"{id(model):x}"
 
     def signature(gi, fqn, args, kwargs):
-        call = _Call(fqn, args, kwargs)
+        call = _call(fqn, args, kwargs)
         return (
             gi,
             call.key(),
@@ -297,7 +280,7 @@ def opaque_layers(
             _LAYERS.pop(lt.key, None)
 
 
-def _trace_layer(key, fqn, layer, call: _Call, fake_mode, decompositions) -> _LayerTrace:
+def _trace_layer(key, fqn, layer, call: CallArgs, fake_mode, decompositions) -> _LayerTrace:
     fakes = [
         (
             a.detach() if is_fake_of(fake_mode, a) else fake_mode.from_tensor(a.detach())
