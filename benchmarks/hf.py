@@ -23,7 +23,9 @@ programs fxshard built for the generations (prefill + decode programs, whatever 
 The first forward's time is the compile (first call). The training table: ``model(x,
 labels=x).loss.backward()`` and an AdamW step in train mode (the model makes and returns its
 cache, as users call it): collectives per step, step time, the first step's time (compile), and
-whether the losses of the first steps equal single device's.
+whether the losses of the first steps equal single device's, for the backend and for
+``fxshard.parallelize(model, mesh, tp_plan)`` (DTensor parameters: gradients stay sharded; called
+``pm(input_ids=x, labels=x)`` with ``use_cache=False``, as it returns no cache object).
 Ratios are fxshard / HF. On 2 cores
 the ranks share the CPUs: quote medians and ratios.
 
@@ -41,10 +43,13 @@ import time
 import torch
 from decode import CollectiveBytes
 
+import fxshard
+
 SIZE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=1024,
             max_position_embeddings=256, num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
 MOE = dict(num_experts_per_tok=2, head_dim=32)
 HF, FX = "HF TP + torch.compile", "fxshard"
+PAR = "fxshard.parallelize"  # sharded parameters (training table)
 CACHES = ("dynamic", "static")
 
 
@@ -116,12 +121,18 @@ def train_rows(dm, archs, x, repeats, steps=3):
             hf_eager(x, labels=x).loss.backward()
         hf = apply_tensor_parallelism(copy.deepcopy(base), dm)
         fx = copy.deepcopy(base)
+        # the sharded-parameter path, called the same way, without the cache (it returns none)
+        par = copy.deepcopy(base)
+        par.config.use_cache = False
+        pm = fxshard.parallelize(par, dm, base.tp_plan)
         models = {
             HF: torch.compile(hf),
             FX: torch.compile(fx, backend="fxshard", options={"mesh": dm, "plan": base.tp_plan}),
+            PAR: pm,
         }
         opts = {HF: torch.optim.AdamW(hf.parameters(), lr=1e-3),
-                FX: torch.optim.AdamW(fx.parameters(), lr=1e-3)}  # fmt: skip
+                FX: torch.optim.AdamW(fx.parameters(), lr=1e-3),
+                PAR: torch.optim.AdamW(pm.parameters(), lr=1e-3)}  # fmt: skip
         row = {k: dict(times=[], same=True) for k in models}
         n0 = programs_built()
         for step in range(1 + repeats):
@@ -133,7 +144,7 @@ def train_rows(dm, archs, x, repeats, steps=3):
                 dist.barrier()
                 t = time.perf_counter()
                 opts[label].zero_grad()
-                loss = m(x, labels=x).loss
+                loss = m(input_ids=x, labels=x).loss
                 loss.backward()
                 opts[label].step()
                 dt = time.perf_counter() - t
@@ -146,6 +157,7 @@ def train_rows(dm, archs, x, repeats, steps=3):
                     row[label]["same"] &= bool(close)
         row[HF]["calls"] = len(counter.calls)
         row[FX]["calls"] = sum(len(p.collectives()) for p in compiled_programs(n0))
+        row[PAR]["calls"] = sum(len(p.collectives()) for k, (p, _) in pm._programs.items() if k[0])
         for label in models:
             row[label]["step_ms"] = 1e3 * statistics.median(row[label].pop("times"))
         out[name] = row
@@ -320,19 +332,26 @@ def main():
             "(compile), losses equal to single device"
         )
         print(
-            f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
-            f"{'fx/HF':>6} {'first s HF/fx':>14} {'fx/HF':>6} {'same HF/fx':>10}"
+            "fx: the backend (global parameters: their gradients gathered); par: "
+            "fxshard.parallelize (DTensor parameters, use_cache=False), called alike"
+        )
+        print(
+            f"{'arch':12} {'collectives HF/fx/par':>21} {'step ms HF':>10} {'fx':>6} {'par':>6} "
+            f"{'fx/HF':>6} {'par/HF':>6} {'first s HF/fx/par':>18} {'same HF/fx/par':>15}"
         )
         for name in archs:
             rows = [r["train"][name] for r in per_rank]
             r0 = rows[0]
-            ms = [statistics.median(r[k]["step_ms"] for r in rows) for k in (hf, fx)]
-            first = [statistics.median(r[k]["first_s"] for r in rows) for k in (hf, fx)]
-            same = [all(r[k]["same"] for r in rows) for k in (hf, fx)]
+            ks = (hf, fx, PAR)
+            ms = [statistics.median(r[k]["step_ms"] for r in rows) for k in ks]
+            first = [statistics.median(r[k]["first_s"] for r in rows) for k in ks]
+            same = [all(r[k]["same"] for r in rows) for k in ks]
+            calls = "/".join(str(r0[k]["calls"]) for k in ks)
             print(
-                f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} {ms[0]:10.1f} "
-                f"{ms[1]:10.1f} {ms[1] / ms[0]:6.2f} {first[0]:6.1f}/{first[1]:<7.1f} "
-                f"{first[1] / first[0]:6.2f} {str(same[0]):>5}/{str(same[1]):<5}"
+                f"{name:12} {calls:>21} {ms[0]:10.1f} {ms[1]:6.1f} {ms[2]:6.1f} "
+                f"{ms[1] / ms[0]:6.2f} {ms[2] / ms[0]:6.2f} "
+                f"{'/'.join(f'{f:.1f}' for f in first):>18} "
+                f"{'/'.join(str(x) for x in same):>15}"
             )
     for cache in CACHES if not args.forward_only else ():
         print()

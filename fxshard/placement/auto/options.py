@@ -22,8 +22,11 @@ class AutoOptions:
     per-mesh-dim step together); when it runs out, the best plan known so far is returned
     (``AutoReport.stopped`` says so, ``ilp_gap`` gives its proven gap), never an exception.
     Building the problem (legal states, pairwise costs: ``AutoReport.times``) is not
-    interrupted: where it alone outlasts the budget, the solve keeps the best plan it finds
-    without search.  ``time_limit_s``: its former name (deprecated).  ``mip_gap``: the
+    interrupted, and the first LP relaxation gets at least ``ilp.LP_FLOOR_S`` (10 s) even when
+    the budget is spent (its rounding is the plan; without it the plan would be each decision's
+    cheapest state on its own terms, tens of times costlier): where the build alone outlasts the
+    budget, the solve keeps the rounded relaxation of its first step, without further search.
+    ``time_limit_s``: its former name (deprecated).  ``mip_gap``: the
     relative gap at which it stops (the plan is then within that fraction of the modelled
     optimum).  ``decompose``: solve per mesh dim (None, the default: on meshes of three or more
     dims): one solve per split of the mesh dims into two contiguous groups, over the states that
