@@ -107,3 +107,38 @@ def test_bucket_cap_is_respected():
     assert len(collective_nodes(small.local_graph)) == 2 and small.bucketed == 0
     off = fxshard.shard(f, fxshard.MeshSpec((2,)), bucket_bytes=0, **kw)
     assert len(collective_nodes(off.local_graph)) == 2
+
+
+def test_a_training_program_bucketed_in_its_forward_partitions():
+    """Two independent all-reduces in a forward (Cohere's attention and MLP run in parallel from
+    one normed input, each a row-parallel output) are bucketed into one; the bucket's nodes carry
+    their fake values, which AOTAutograd's min-cut partitioner reads for every node (it raised
+    "Node reshape_default didn't have `val` metadata" on transformers' Cohere)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from fxshard._torch import partition_joint
+
+    class Parallel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a1, self.a2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+            self.m1, self.m2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            attn, mlp = self.a2(torch.relu(self.a1(x))), self.m2(torch.tanh(self.m1(x)))
+            return attn + mlp + x
+
+    plan = {"a1": ColwiseParallel(), "a2": RowwiseParallel(), "m1": ColwiseParallel(),
+            "m2": RowwiseParallel()}  # fmt: skip
+    m = Parallel()
+    x = torch.randn(4, 16)
+    prog = fxshard.shard(m, fxshard.MeshSpec((2,), names=("tp",)), plan, example_inputs=(x,),
+                         training=True)  # fmt: skip
+    local = prog.local_graph
+    forward = [c for c in prog.collectives() if c.phase == "forward"]
+    assert len(forward) == 1 and len(forward[0].carries) == 2, prog.collectives()
+    missing = [n.name for n in local.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+    assert not missing, missing
+    num_fwd = sum(r[0] == "output" for r in prog.output_roles())
+    fw, bw = partition_joint(local, num_fwd)
+    assert any("all_reduce" in str(n.target) for n in fw.graph.nodes)

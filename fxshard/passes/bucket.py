@@ -107,20 +107,33 @@ def _rewrite(gm, bucket, order):
     g = gm.graph
     cursor = max(inputs, key=lambda x: order[x])
 
-    def emit(target, args):
+    def emit(target, args, like=None):
+        """A node after the last one emitted, with its fake value (AOTAutograd's partitioner
+        reads every node's ``val``: Cohere's parallel attention and MLP all-reduces, bucketed
+        in the forward, failed its min-cut); a collective's is ``like``'s shape, else the op
+        run on its inputs' values."""
         nonlocal cursor
         with g.inserting_after(cursor):
             cursor = g.call_function(target, args)
+        try:
+            vals = fx.node.map_arg(args, lambda a: a.meta["val"])
+            cursor.meta["val"] = like(vals) if like is not None else target(*vals)
+        except Exception:  # a value we cannot make: the node goes without (as it did before)
+            cursor.meta.pop("val", None)
         return cursor
 
     flats = [emit(torch.ops.aten.reshape.default, (x, [-1])) for x in inputs]
     cat = emit(torch.ops.aten.cat.default, (flats, 0))
     if key[0] == "all_reduce":
-        coll = emit(_F.all_reduce.default, (cat, key[1], key[2]))
+        coll = emit(_F.all_reduce.default, (cat, key[1], key[2]), lambda v: v[0].clone())
     else:
-        coll = emit(_F.all_gather_into_tensor.default, (cat, key[1], key[2]))
+        coll = emit(
+            _F.all_gather_into_tensor.default,
+            (cat, key[1], key[2]),
+            lambda v: v[0].new_empty((v[1] * v[0].shape[0],)),
+        )
     info(coll).carries = tuple(c for it in bucket for c in info(it[1]).carries)
-    wait = emit(_F.wait_tensor.default, (coll,))
+    wait = emit(_F.wait_tensor.default, (coll,), lambda v: v[0].clone())
     sizes = [x.meta["val"].numel() for x in inputs]
     total = sum(sizes)
     grid = (
