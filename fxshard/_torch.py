@@ -31,6 +31,8 @@ StridedShard = _StridedShard
 tree_map = _pytree.tree_map
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
+register_pytree_node = _pytree.register_pytree_node
+SequenceKey = _pytree.SequenceKey
 
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket

@@ -199,6 +199,8 @@ def annotate(
     order (``fxshard.placement.greedy``: DTensor's op-by-op choice).  A global solve that finds no
     finite plan (a boundary no redistribution reaches) falls back to the greedy one, logged."""
     config, cons = captured.config, captured.constraints
+    if callable(output_placements):  # decided from the capture (fxshard.parallelize)
+        output_placements = output_placements(captured)
     if isinstance(output_placements, str):
         if output_placements != "replicate":
             raise ValueError(

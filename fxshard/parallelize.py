@@ -31,11 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import api
 from ._torch import Replicate, dtensor_local, fake_mode, is_dtensor, set_module_tensor
 from .capture.common import CallArgs
+from .capture.objects import held, released
 from .core.config import DEFAULT_BUCKET_BYTES, DEFAULT_SEARCH
 from .core.cost import CostModel, CostModelLike
 from .core.mesh import MeshSpec
 from .core.spec import ShardingSpec
-from .ir import INPUT, STATE_KINDS, info
+from .ir import INPUT, OWN_PLACEMENT, STATE_KINDS, info, output_roles
 from .placement.constraints import resolve_plan
 from .placement.greedy import state_placement
 from .placement.problem import PlacementProblem
@@ -46,6 +47,7 @@ from .runtime.boundary import (
     OUTPUTS,
     as_program_arg,
     check_mesh,
+    keep_output,
     local_arg,
     output_wrapper,
     spec_of,
@@ -134,6 +136,7 @@ class ParallelModule(nn.Module):
         self.specs: dict = {}  # fqn -> global ShardingSpec of every parameter and buffer
         self._owners: dict = {}  # fqn -> (owning module, attribute name)
         self._wrappers: dict = {}  # program -> its outputs' DTensor wrapping
+        self._kept: dict = {}  # program -> its outputs kept as placed (objects' tensors)
         self.warnings: list[str] = []
         self.uninitialised: set[str] = set()
         self._materialise(init_fn)
@@ -333,7 +336,8 @@ class ParallelModule(nn.Module):
                 else x
                 for x in inputs
             ]
-        with self._global_meta_state(fm), _called_with(self.module, call):
+        returned = _Returned()
+        with self._global_meta_state(fm), _called_with(self.module, call, returned):
             prog = api.shard(
                 self.module,
                 self.mesh,
@@ -341,8 +345,11 @@ class ParallelModule(nn.Module):
                 example_inputs=meta_inputs,
                 input_placements=given if any(g is not None for g in given) else None,
                 # outputs="global": the global values, with or without autograd (a vocab-sharded
-                # head's shards are gathered in the program, where the planner prices it)
-                output_placements="replicate" if self.outputs == "global" else None,
+                # head's shards are gathered in the program, where the planner prices it), but for
+                # the tensors of objects the forward returns (a cache): state, kept as placed
+                output_placements=returned.placements(self.mesh.ndim)
+                if self.outputs == "global"
+                else None,
                 tp_dim=self.tp_dim,
                 training=training,
                 **self.options,
@@ -371,6 +378,7 @@ class ParallelModule(nn.Module):
                 agreement=self.agreement,
             )
         self._programs[key] = (prog, compiled)
+        self._kept[prog] = [k for k, h in enumerate(returned.mask or ()) if h]
         return prog, compiled
 
     @property
@@ -438,23 +446,37 @@ class ParallelModule(nn.Module):
                     else:
                         args.append(rec.spec.local_of(x.to(self.device), self.coord))
             if training:
-                outs = compiled.apply(args)
-                return prog.restructure(
-                    self._wrap(prog, list(outs) if isinstance(outs, tuple) else [outs])
+                side: dict = {}  # gradients reaching the KeptTensors handed back (global)
+                outs = compiled.apply(args, side=side)
+                return released(
+                    prog.restructure(
+                        self._wrap(prog, list(outs) if isinstance(outs, tuple) else [outs], side)
+                    )
                 )
             local = {r.what: self._local(r.what) for r in prog.output_roles() if r.kind == "mutate"}
-            return prog.restructure(
-                self._wrap(prog, prog.apply_updates(compiled.run_local(args), local))
+            return released(
+                prog.restructure(
+                    self._wrap(prog, prog.apply_updates(compiled.run_local(args), local))
+                )
             )
 
-    def _wrap(self, prog, flat: list) -> list:
-        """With outputs="dtensor": the outputs as DTensors of the program's specs."""
+    def _wrap(self, prog, flat: list, side: dict | None = None) -> list:
+        """With outputs="dtensor": the outputs as DTensors of the program's specs; else the
+        tensors of objects the forward returns (a cache) as KeptTensors where sharded (a training
+        call's keep their autograd history: their gradients reach the backward through ``side``)."""
         wrap = self._wrappers.get(prog)
         if wrap is None:
             specs = prog.forward_output_specs
             as_dtensor = [self.outputs == "dtensor"] * len(specs)
             wrap = self._wrappers[prog] = output_wrapper(specs, self.device_mesh, as_dtensor)
-        return wrap(flat)
+        flat = wrap(flat)
+        if self.outputs == "global":
+            specs = prog.forward_output_specs
+            timeout = (self.agreement or AgreementOptions()).timeout_s
+            for k in self._kept.get(prog, ()):
+                if any(not isinstance(p, Replicate) for p in specs[k].placements):
+                    flat[k] = keep_output(flat[k], specs[k], self.device_mesh, timeout, side, k)
+        return flat
 
     def _constant(self, prog, rec) -> torch.Tensor:
         """This rank's part of a tensor the model makes from Python values as it runs (Gemma's
@@ -474,19 +496,42 @@ class ParallelModule(nn.Module):
         return as_program_arg(x, self.mesh, f"input {i}")
 
 
+class _Returned:
+    """What a captured forward returned: per flat output, whether it is a tensor of an object the
+    forward returns (``capture.objects``: a transformers cache), which the program leaves as it
+    places it (state: gathered only where eager code reads it)."""
+
+    def __init__(self):
+        self.mask: list[bool] | None = None
+
+    def hold(self, out):
+        out, self.mask = held(out)
+        return out
+
+    def placements(self, ndim: int):
+        def decide(captured) -> list:
+            output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+            count = sum(r.kind == "output" for r in output_roles(output))
+            mask = self.mask if self.mask is not None and len(self.mask) == count else []
+            replicated = (Replicate(),) * ndim
+            return [
+                OWN_PLACEMENT if k < len(mask) and mask[k] else replicated for k in range(count)
+            ]
+
+        return decide
+
+
 @contextlib.contextmanager
-def _called_with(module: nn.Module, call: CallArgs | None):
+def _called_with(module: nn.Module, call: CallArgs | None, returned: _Returned):
     """While capturing: ``module``'s forward takes the call's tensors alone (the program's inputs)
-    and calls the model's own forward with the call's keywords and constants rebuilt around them."""
-    if call is None:
-        yield
-        return
+    and calls the model's own forward with the call's keywords and constants rebuilt around them;
+    objects it returns that pytree does not know are handed back as their tensors (``returned``)."""
     own = module.__dict__.get("forward")  # an instance's own forward (patched), else the class's
     original = module.forward
 
     def forward(*tensors):
-        args, kwargs = call.rebuild(tensors)
-        return original(*args, **kwargs)
+        args, kwargs = call.rebuild(tensors) if call is not None else (tensors, {})
+        return returned.hold(original(*args, **kwargs))
 
     module.forward = forward
     try:

@@ -1510,11 +1510,13 @@ def hf_train_cache(rank, world, names):
 def hf_parallelize_train(rank, world, names, steps=3):
     """transformers models trained with sharded parameters, called as users call them:
     ``fxshard.parallelize(model, mesh, tp_plan)`` then ``pm(input_ids=x, labels=y).loss
-    .backward()`` and AdamW on the DTensor parameters (``use_cache=False``, as training sets it),
-    an eval call with ``attention_mask=`` between steps.  Per architecture: the worst relative
-    error of losses, logits and the final weights against single device, the collectives of one
-    training step (fxshard: its program's; transformers' own TP: counted by CommDebugMode in the
-    same run), and the programs built."""
+    .backward()`` and AdamW on the DTensor parameters, an eval call with ``attention_mask=``
+    between steps.  The default call makes and returns a ``DynamicCache``: it comes back as
+    KeptTensors where sharded (no gather), and the first step's loss reads it (its gradient
+    reaches the program's backward).  Per architecture: the worst relative error of losses,
+    logits, the returned cache and the final weights against single device, the collectives of
+    one training step (fxshard: its program's; transformers' own TP: counted by CommDebugMode in
+    the same run), the programs built, and the types of the returned cache's tensors."""
     import copy
 
     import test_hf
@@ -1529,7 +1531,6 @@ def hf_parallelize_train(rank, world, names, steps=3):
         ref, plan, _, x, labels = test_hf._build(name)
         labels = labels.clone()
         labels[0, :2] = -100
-        ref.config.use_cache = False
         ref.train()
         hf = apply_tensor_parallelism(copy.deepcopy(ref), dm)
         try:
@@ -1542,16 +1543,22 @@ def hf_parallelize_train(rank, world, names, steps=3):
         opts = [_optimizer("adamw", m.parameters()) for m in (ref, pm)]
         mask = torch.ones_like(x)
         mask[1, :3] = 0  # left padding on one row
-        errs = []
-        for _ in range(steps):
-            losses = []
+        errs, cache_types = [], set()
+        for step in range(steps):
+            losses, caches = [], []
             for m, opt in zip((ref, pm), opts):
                 opt.zero_grad()
-                loss = m(input_ids=x, labels=labels).loss
+                result = m(input_ids=x, labels=labels)
+                loss, cache = result.loss, result.past_key_values
+                caches.append([t for layer in cache.layers for t in (layer.keys, layer.values)])
+                if step == 0:  # a loss that reads the returned cache (every rank, same order)
+                    loss = loss + 0.1 * cache.layers[-1].values.float().pow(2).mean()
                 loss.backward()
                 opt.step()
                 losses.append(loss.detach())
             errs.append(_rel(losses[1], losses[0]))
+            cache_types |= {type(t).__name__ for t in caches[1]}
+            errs += [_rel(b.detach(), a.detach()) for a, b in zip(*caches)]
             with torch.no_grad():
                 got = pm(x, attention_mask=mask).logits
                 want = ref(x, attention_mask=mask).logits
@@ -1568,5 +1575,6 @@ def hf_parallelize_train(rank, world, names, steps=3):
             "ours": len(train[0].collectives()) if train else None,
             "torch": theirs,
             "programs": len(pm._programs),
+            "cache": sorted(cache_types),
         }
     return out

@@ -452,3 +452,50 @@ def test_parallelize_is_called_as_the_model_is(one_rank_mesh):
 
     with pytest.raises(TypeError, match="called with a Cache.*use_cache=False"):
         pm(x, extra=Cache())
+
+
+def test_parallelize_returns_the_objects_the_model_returns(one_rank_mesh):
+    """A forward that returns an object pytree does not know (transformers' default call returns
+    a DynamicCache; a user's state object): the program hands back a new object of its class
+    holding the program's tensors (shared references kept shared), with and without autograd,
+    and a loss that reads it trains exactly.  A parallelize program failed on it before (gloo
+    ranks, where the cache stays sharded: test_user_paths)."""
+
+    class Layer:
+        def __init__(self, keys, step):
+            self.keys, self.step = keys, step
+
+    class State:  # an object pytree does not know, holding tensors at depth
+        def __init__(self, layers):
+            self.layers = layers
+            self.first = layers[0]
+            self.name = "state"
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return {"y": h.sum(-1), "state": State([Layer(h * 2, 0), Layer(h.relu(), 1)])}
+
+    torch.manual_seed(0)
+    model, ref = Stateful(), Stateful()
+    ref.load_state_dict(model.state_dict())
+    pm = fxshard.parallelize(model, one_rank_mesh, {}, inductor=False)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        got, want = pm(x), ref(x)
+        again = pm(x)
+    state = got["state"]
+    assert type(state) is State and [type(layer) for layer in state.layers] == [Layer, Layer]
+    assert state.first is state.layers[0] and state.name == "state" and state.layers[1].step == 1
+    assert again["state"] is not state  # every call its own object, as eager
+    for a, b in zip(state.layers, want["state"].layers):
+        torch.testing.assert_close(a.keys, b.keys)
+    # under autograd: a loss that reads the returned object
+    for m in (pm, ref):
+        out = m(x)
+        (out["y"].sum() + out["state"].layers[1].keys.pow(2).sum()).backward()
+    torch.testing.assert_close(pm.module.fc.weight.grad.full_tensor(), ref.fc.weight.grad)

@@ -54,13 +54,17 @@ def test_transformers_training_with_sharded_parameters_on_gloo_ranks():
     (``pm(input_ids=x, labels=y).loss``, ``attention_mask=`` in eval), AdamW on the DTensor
     parameters, on 2 gloo ranks with Inductor: single device's losses, logits and weights, and a
     training step with no more collectives than transformers' own TP (the parameters' gradients
-    stay sharded: no gather).  Gemma-2 makes a constant tensor as it runs (its embedding scale);
-    (Phi-3, GPT-2's user plan, Mixtral, OLMo-2, Qwen3-MoE measured alike: docs/benchmarks.md)."""
+    stay sharded: no gather).  The default call returns a DynamicCache: its tensors come back as
+    KeptTensors (heads-sharded, not gathered; a parallelize program failed on it before), equal to
+    single device's, and a loss that reads it trains exactly.  Gemma-2 makes a constant tensor as
+    it runs (its embedding scale); (Phi-3, GPT-2's user plan, Mixtral, OLMo-2, Qwen3-MoE measured
+    alike: docs/benchmarks.md)."""
     names = ["llama", "gemma2"]
     for r in spawn(2, e2e_workers.hf_parallelize_train, names, timeout=600, collective_timeout=60):
         assert list(r) == names
         for name, got in r.items():
             assert got["err"] < 1e-4 and got["programs"] == 2, (name, got)
+            assert got["cache"] == ["KeptTensor"], (name, got)
             if test_hf.ARCHS[name][1] is None:  # the model's own tp_plan: HF's TP applies
                 assert got["ours"] <= got["torch"], (name, got)
 

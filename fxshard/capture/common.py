@@ -227,8 +227,8 @@ def trace_error(module: nn.Module, e: BaseException, what: str = "trace") -> Run
         cache = "Cache" in kind
         return RuntimeError(
             f"fxshard.capture: {name} returns a {kind}, which holds tensors fxshard cannot hand "
-            "back from a sharded program (fxshard.shard and fxshard.parallelize return tensors "
-            "and containers of them). "
+            "back from a program of fxshard.shard (it returns tensors and containers of them; "
+            "fxshard.parallelize hands such objects back, their tensors kept sharded). "
             + (
                 "transformers makes and returns this cache by default (use_cache=True): call the "
                 "model with use_cache=False (or set model.config.use_cache = False) where the "
