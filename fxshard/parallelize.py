@@ -448,16 +448,18 @@ class ParallelModule(nn.Module):
             if training:
                 side: dict = {}  # gradients reaching the KeptTensors handed back (global)
                 outs = compiled.apply(args, side=side)
-                return released(
+                return self._released(
+                    prog,
                     prog.restructure(
                         self._wrap(prog, list(outs) if isinstance(outs, tuple) else [outs], side)
-                    )
+                    ),
                 )
             local = {r.what: self._local(r.what) for r in prog.output_roles() if r.kind == "mutate"}
-            return released(
+            return self._released(
+                prog,
                 prog.restructure(
                     self._wrap(prog, prog.apply_updates(compiled.run_local(args), local))
-                )
+                ),
             )
 
     def _wrap(self, prog, flat: list, side: dict | None = None) -> list:
@@ -477,6 +479,11 @@ class ParallelModule(nn.Module):
                 if any(not isinstance(p, Replicate) for p in specs[k].placements):
                     flat[k] = keep_output(flat[k], specs[k], self.device_mesh, timeout, side, k)
         return flat
+
+    def _released(self, prog, out):
+        """The objects the forward returns rebuilt (only programs that return any: no walk of
+        every call's outputs otherwise)."""
+        return released(out) if self._kept.get(prog) else out
 
     def _constant(self, prog, rec) -> torch.Tensor:
         """This rank's part of a tensor the model makes from Python values as it runs (Gemma's
