@@ -219,6 +219,36 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
         assert table[i].tolist() == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
 
 
+def test_pairwise_costs_with_sum_and_avg_partials_on_a_3d_mesh():
+    """The runs of a group whose target reduce ops are all linear (sum, avg: 8 runs on a 3-D mesh
+    with both) share one state graph and closure: the costs are still exactly the A* costs, with
+    max placements (their own runs) beside them."""
+    from fxshard.core.spec import is_even
+    from fxshard.planner import pairwise_costs, plan_between
+
+    mesh = fxshard.MeshSpec((2, 2, 2))
+    cm = CostModel(mesh)
+    opts = [R, Partial("sum"), Partial("avg"), Partial("max"), Shard(0), Shard(1)]
+    specs = []
+    for plc in itertools.product(opts, repeat=3):
+        try:
+            s = ShardingSpec.make(mesh, plc, (4, 8), torch.float32)
+        except ValueError:  # mixed reduce ops in one placement (sum with max)
+            continue
+        if is_even(s):
+            specs.append(s)
+    rng = random.Random(3)
+    mixed = [
+        s for s in specs if {"sum", "avg"} <= {getattr(p, "reduce_op", None) for p in s.placements}
+    ]
+    specs = mixed[:6] + rng.sample([s for s in specs if s not in mixed], 30)
+    for fuse in (False, True):
+        table = pairwise_costs(specs, cm, even_only=True, fuse=fuse)
+        for i, a in enumerate(specs):
+            want = [plan_between(a, b, cm, even_only=True, fuse=fuse).cost for b in specs]
+            assert table[i].tolist() == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
+
+
 def test_pairwise_costs_do_not_depend_on_the_other_placements():
     """A fused reduction over dims kept partial holds the target's op: the state graph shared by all
     sources must not change with which other placements are in the group (found in review: adding
