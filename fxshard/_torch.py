@@ -57,6 +57,22 @@ def record_aten_calls(fn: Callable, clone: Callable) -> list:
     return calls
 
 
+def run_observed(fn: Callable, observe: Callable) -> object:
+    """``fn()``, with ``observe(op, args, kwargs, out)`` called after each ATen call it makes,
+    autograd's backward calls included (the mode travels with autograd's thread-local state)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Observer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            observe(func, args, kwargs, out)
+            return out
+
+    with Observer():
+        return fn()
+
+
 def opinfo_db() -> list:
     """torch's OpInfo database (``op_db``: every op's sample inputs), and its size constants made
     even so that samples shard on meshes of 2 (S=5 -> 4, M=10 -> 8, XS=3 -> 2)."""

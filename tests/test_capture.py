@@ -5,6 +5,7 @@ plain trace gives, node for node, and compute the same values."""
 import logging
 
 import others
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -450,23 +451,45 @@ def test_plan_boundaries_are_marked_with_their_tags():
 _BEHAVIOUR: dict = {}  # outside the layers' state: what the reuse_layers proof must catch
 
 
+class _GlobalGrad(torch.autograd.Function):
+    """Identity forward; its backward scales by a global: a difference only backward shows."""
+
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key = key
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _BEHAVIOUR.get(ctx.key, 1.0), None
+
+
 class _Scaled(nn.Module):
-    def __init__(self):
+    def __init__(self, how: str = "scalar"):
         super().__init__()
         self.lin = nn.Linear(8, 8)
+        self.how = how
 
     def forward(self, x):
-        return self.lin(x) * _BEHAVIOUR.get(id(self), 1.0)
+        y = self.lin(x)
+        scale = _BEHAVIOUR.get(id(self), 1.0)
+        if self.how == "scalar":
+            return y * scale
+        if self.how == "constant":  # a tensor made from Python values as it runs
+            return y * torch.tensor([scale] * 8)
+        return _GlobalGrad.apply(y, id(self))  # "backward"
 
 
-def test_layers_alike_in_state_but_not_in_behaviour_are_traced_plainly(caplog):
+@pytest.mark.parametrize("how", ["scalar", "constant", "backward"])
+def test_layers_alike_in_state_but_not_in_behaviour_are_traced_plainly(caplog, how):
     """Equal state is not proof: a forward reading something outside its state (here a global
-    keyed by the module) traces differently for the second layer, and stitching is refused."""
+    keyed by the module: a scalar, a tensor made of it, a custom backward reading it) runs
+    differently for the second layer, and stitching is refused."""
 
     class M(nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList([_Scaled() for _ in range(3)])
+            self.layers = nn.ModuleList([_Scaled(how) for _ in range(3)])
 
         def forward(self, x):
             for layer in self.layers:
