@@ -277,3 +277,39 @@ def test_set_placement_between_stages_changes_plan_and_stays_correct():
             next(n for n in c.gm.graph.nodes if n.target is torch.ops.aten.addmm.default),
             (Partial("max"),),
         )
+
+
+def test_compute_us_of_every_state_at_once_equals_compute_us():
+    """plan="auto" prices every legal state of every op with ``compute_us_states`` (per-spec terms
+    looked up once): the very floats ``compute_us`` gives state by state (a training graph, a 2-D
+    mesh, the default cost model)."""
+    from fxshard.placement.problem import compute_us, compute_us_states
+
+    model = init_weights(MLP())
+    c = fxshard.capture(model, example_input(model), mesh=M2_22, plan=mlp_plan(), training=True)
+    p = _problem(c)
+    specs: list = []
+    ids: dict = {}
+    terms: dict = {}
+    checked = 0
+    for n in c.gm.graph.nodes:
+        if n.op != "call_function" or info(n).kind != NodeKind.OP:
+            continue
+        cur = [p.replicated(a.meta["val"]) for a in tensor_args(n)]
+        states = p.legal_states(n, cur).states
+        packed = [
+            (
+                tuple(ids.setdefault(s, len(ids)) for s in ins),
+                tuple(-1 if s is None else ids.setdefault(s, len(ids)) for s in outs),
+            )
+            for ins, outs in states
+        ]
+        specs[:] = sorted(ids, key=ids.get)
+        got = compute_us_states(n, packed, specs, terms, c.cost_model)
+        want = [
+            compute_us(n, list(ins), [s for s in outs if s is not None], c.cost_model)
+            for ins, outs in states
+        ]
+        assert got == want, n
+        checked += sum(x > 0 for x in got)
+    assert checked > 50

@@ -219,23 +219,28 @@ def test_costs_from_equals_plan_between(mesh_shape, shape, fuse):
         assert table[i].tolist() == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
 
 
-def test_pairwise_costs_with_sum_and_avg_partials_on_a_3d_mesh():
+@pytest.mark.parametrize(
+    "mesh_shape,shape,even",
+    [((2, 2, 2), (4, 8), True), ((2, 2, 2), (3, 8), False), ((2, 3), (5, 7), False)],
+)
+def test_pairwise_costs_with_sum_and_avg_partials(mesh_shape, shape, even):
     """The runs of a group whose target reduce ops are all linear (sum, avg: 8 runs on a 3-D mesh
     with both) share one state graph and closure: the costs are still exactly the A* costs, with
-    max placements (their own runs) beside them."""
+    max placements (their own runs) beside them, on even and uneven shapes (an uneven 2x3 case
+    raised KeyError in the shared graph's fused reductions before it was fixed)."""
     from fxshard.core.spec import is_even
     from fxshard.planner import pairwise_costs, plan_between
 
-    mesh = fxshard.MeshSpec((2, 2, 2))
+    mesh = fxshard.MeshSpec(mesh_shape)
     cm = CostModel(mesh)
     opts = [R, Partial("sum"), Partial("avg"), Partial("max"), Shard(0), Shard(1)]
     specs = []
-    for plc in itertools.product(opts, repeat=3):
+    for plc in itertools.product(opts, repeat=len(mesh_shape)):
         try:
-            s = ShardingSpec.make(mesh, plc, (4, 8), torch.float32)
+            s = ShardingSpec.make(mesh, plc, shape, torch.float32)
         except ValueError:  # mixed reduce ops in one placement (sum with max)
             continue
-        if is_even(s):
+        if is_even(s) or not even:
             specs.append(s)
     rng = random.Random(3)
     mixed = [
@@ -243,10 +248,34 @@ def test_pairwise_costs_with_sum_and_avg_partials_on_a_3d_mesh():
     ]
     specs = mixed[:6] + rng.sample([s for s in specs if s not in mixed], 30)
     for fuse in (False, True):
-        table = pairwise_costs(specs, cm, even_only=True, fuse=fuse)
+        table = pairwise_costs(specs, cm, even_only=even, fuse=fuse)
         for i, a in enumerate(specs):
-            want = [plan_between(a, b, cm, even_only=True, fuse=fuse).cost for b in specs]
+            want = []
+            for b in specs:
+                try:
+                    want.append(plan_between(a, b, cm, even_only=even, fuse=fuse).cost)
+                except ValueError:  # no plan
+                    want.append(math.inf)
             assert table[i].tolist() == pytest.approx(want, rel=1e-9, abs=1e-9), str(a)
+
+
+def test_a_shared_state_graph_holds_partial_dims_of_another_runs_targets():
+    """R P(sum) and P(avg) P(avg): two runs of linear target ops, one graph. The second source
+    keeps both dims partial for its own run; explored under the first run's ops (dim 1 only) its
+    fused reduction looked up dim 0's target op and raised KeyError (found by test_uneven)."""
+    from fxshard.planner import pairwise_costs, plan_between
+
+    mesh = fxshard.MeshSpec((2, 3))
+    cm = CostModel(mesh)
+    specs = [
+        ShardingSpec.make(mesh, pl, (6, 6), torch.float32)
+        for pl in ((R, Partial("sum")), (Partial("avg"), Partial("avg")))
+    ]
+    table = pairwise_costs(specs, cm, even_only=True, fuse=True)
+    for i, a in enumerate(specs):
+        for j, b in enumerate(specs):
+            want = plan_between(a, b, cm, even_only=True, fuse=True).cost
+            assert float(table[i, j]) == pytest.approx(want, rel=1e-9, abs=1e-9), (i, j)
 
 
 def test_pairwise_costs_do_not_depend_on_the_other_placements():

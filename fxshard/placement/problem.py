@@ -778,6 +778,52 @@ def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm: CostM
     return rec.flops / split / flops_us + moved / bytes_us + _dispatch_us(node, in_specs, cm)
 
 
+def compute_us_states(
+    node: fx.Node, states: Sequence, specs: Sequence, terms: dict, cm: CostModelLike
+) -> list[float]:
+    """``compute_us`` of ``node`` under each of ``states`` (``(input spec ids, output spec ids)``
+    into ``specs``, -1 for an output left unplaced), the same sums in the same order, with each
+    spec's local bytes and sharded mesh dims looked up once in ``terms`` (a cache kept by the
+    caller across nodes): ``plan="auto"`` asks for every state of every op (115k calls for a
+    LLaMA-3-8B on a 4x4x4 mesh)."""
+    if node.target in rules.VARIANTS:
+        return [
+            compute_us(node, [specs[i] for i in ins], [specs[i] for i in outs if i >= 0], cm)
+            for ins, outs in states
+        ]
+    rec = info(node)
+    if rec.flops is None:
+        rec.flops = flop_count(node)
+    flops_us, bytes_us = getattr(cm, "flops_per_us", None), getattr(cm, "hbm_bytes_per_us", None)
+    if not flops_us or not bytes_us:
+        return [0.0] * len(states)
+
+    def term(i):
+        t = terms.get(i)
+        if t is None:
+            s = specs[i]
+            mask = sum(1 << m for m, p in enumerate(s.placements) if isinstance(p, Shard))
+            t = terms[i] = (local_bytes(s), mask, s.mesh.shape)
+        return t
+
+    out = []
+    splits: dict = {}
+    for ins, outs in states:
+        mask, moved, shape = 0, 0, None
+        for i in ins:
+            lb, m, shape = term(i)
+            mask |= m
+            moved += lb
+        for i in outs:
+            if i >= 0:
+                moved += term(i)[0]
+        split = splits.get(mask)
+        if split is None:
+            split = splits[mask] = math.prod(k for m, k in enumerate(shape or ()) if mask >> m & 1)
+        out.append(rec.flops / split / flops_us + moved / bytes_us + 0.0)
+    return out
+
+
 def _dispatch_us(node: fx.Node, in_specs: Sequence, cm: CostModelLike) -> float:
     """The all-to-alls inside an experts region that dispatches tokens (``rules.experts``)."""
     if node.target not in rules.VARIANTS:

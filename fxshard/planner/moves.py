@@ -361,8 +361,9 @@ def _fused_move_generator(P: Problem, pk: Packing, seen):
             Br = powers[r]
             for subset in itertools.combinations(dims_all, r):
                 # a dim still to reduce holds the source's op; one kept or made partial, the
-                # target's
-                ops = {src_ops[m] if pa >> m & 1 else dst_ops[m] for m in subset}
+                # target's (a state graph shared by runs of linear target ops, ``_share_graphs``,
+                # holds dims kept or made partial for another run's targets: linear, as sum)
+                ops = {src_ops[m] if pa >> m & 1 else dst_ops.get(m, "sum") for m in subset}
                 if len(ops) > 1 and not ops <= _LINEAR:
                     continue  # one collective reduces with one op (sum and avg: sum, then scale)
                 bits = 0

@@ -70,9 +70,26 @@ def _enum_placements(t, mesh, current: Plc, with_partial: bool) -> list[Plc]:
         kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
         if plc == tuple(current) or (len(kinds) > 1 and {r for _, r in kinds} != {"sum", "avg"}):
             continue
-        if is_tensor_shardable(t.shape, DTensorSpec(mesh, plc)):
+        if _shardable(t.shape, mesh, plc):
             out.append(plc)
     return out
+
+
+_SHARDABLE: dict = {}
+
+
+def _shardable(shape, mesh, plc: Plc) -> bool:
+    """``is_tensor_shardable(shape, DTensorSpec(mesh, plc))``, memoised for static shapes (a spec
+    costs ~40 us to build, and the seeds of every op ask for the same few shapes)."""
+    if not all(type(s) is int for s in shape):
+        return is_tensor_shardable(shape, DTensorSpec(mesh, plc))
+    key = (tuple(shape), tuple(mesh.shape), plc)
+    hit = _SHARDABLE.get(key)
+    if hit is None:
+        if len(_SHARDABLE) > 1 << 16:
+            _SHARDABLE.clear()
+        hit = _SHARDABLE[key] = is_tensor_shardable(shape, DTensorSpec(mesh, plc))
+    return hit
 
 
 def _plc(spec):
@@ -617,10 +634,7 @@ def _seeds(tensors, device_mesh, cur) -> list:
                 tried.add(plc)
                 seeds.append(
                     [
-                        plc
-                        if t.ndim == ndim
-                        and is_tensor_shardable(t.shape, DTensorSpec(device_mesh, plc))
-                        else c
+                        plc if t.ndim == ndim and _shardable(t.shape, device_mesh, plc) else c
                         for t, c in zip(tensors, cur)
                     ]
                 )
@@ -631,8 +645,10 @@ def _follow_the_input(
     op, strat_fn, args, kwargs, tensors, device_mesh, cur, n_in: int, found: dict
 ) -> None:
     """ "Follow-the-input" strategy functions (view, reductions, slice, cat, softmax...) return one
-    OpSpec per input OpSpec: call once per seed input placement.  A function returning more than
-    one spec for the first seed already enumerates everything (expand_to_full_mesh style): stop."""
+    OpSpec per input OpSpec: call once per seed input placement (one call with every seed as the
+    input strategy is slower: DTensor prices each answer's redistribution from every input
+    strategy).  A function returning more than one spec for the first seed already enumerates
+    everything (expand_to_full_mesh style): stop."""
     for k, seed in enumerate(_seeds(tensors, device_mesh, cur)):
         before = len(found)
         try:

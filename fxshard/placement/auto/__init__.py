@@ -121,17 +121,27 @@ def _solve_states(fg: FactorGraph, keep: list[torch.Tensor] | None = None) -> li
 
 def _placement_ids(fg: FactorGraph) -> torch.Tensor:
     """Per variable: a (states x mesh dims) tensor, the id of what each state places on each mesh
-    dim (the placements of all its inputs and outputs there, interned)."""
+    dim (the placements of all its inputs and outputs there, interned: equal ids, equal
+    placements, on any two mesh dims)."""
     ids: dict = {}
+    plc: dict = {}  # placement -> small int
+    per_spec: dict = {-1: None}  # spec id -> its placements as small ints, per mesh dim
     out = []
     nd = fg.mesh.ndim
     for var in fg.vars:
         rows = []
         for ins, outs in var.states:
-            specs = [fg.specs[i].placements if i >= 0 else None for i in (*ins, *outs)]
+            specs = []
+            for i in (*ins, *outs):
+                t = per_spec.get(i, False)
+                if t is False:
+                    t = per_spec[i] = tuple(
+                        plc.setdefault(p, len(plc)) for p in fg.specs[i].placements
+                    )
+                specs.append(t)
             rows.append(
                 [
-                    ids.setdefault(tuple(None if p is None else p[m] for p in specs), len(ids))
+                    ids.setdefault(tuple(-1 if t is None else t[m] for t in specs), len(ids))
                     for m in range(nd)
                 ]
             )

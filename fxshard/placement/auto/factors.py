@@ -30,7 +30,7 @@ from ..._torch import is_strided_shard
 from ...core.spec import ShardingSpec, is_even, placements_str
 from ...ir import BOUNDARY, BUFFER, CONSTANT, PARAM, NodeKind, flat_outputs, info, tensor_args
 from ...planner import costs_from, pairwise_costs, plan_in_program
-from ..problem import PlacementProblem, _val, compute_us, local_bytes
+from ..problem import PlacementProblem, _val, compute_us_states, local_bytes
 from .options import AutoInfeasible, AutoOptions, AutoReport
 from .sharing import shared_nodes
 
@@ -475,19 +475,12 @@ class FactorGraph:
             self.vars[v].nodes.append(n)
         t1 = time.perf_counter()
         comp = {}
+        terms: dict = {}  # spec id -> its local bytes and sharded mesh dims (compute_us_states)
         for var in self.vars:
             n = var.node
             if self.opt.compute and n.op == "call_function" and info(n).kind != NodeKind.BOUNDARY:
                 comp[n] = torch.tensor(
-                    [
-                        compute_us(
-                            n,
-                            [self.specs[i] for i in ins],
-                            [self.specs[i] for i in outs if i >= 0],
-                            self.cm,
-                        )
-                        for ins, outs in var.states
-                    ],
+                    compute_us_states(n, var.states, self.specs, terms, self.cm),
                     dtype=torch.float64,
                 )
         self._followed: set[int] = set()
