@@ -40,31 +40,29 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 
 def record_aten_calls(fn: Callable, clone: Callable) -> list:
     """Run ``fn()`` and return every ATen call it made: ``[(op, clone(args), clone(kwargs))]``
-    (``clone`` maps each argument, e.g. copying tensors)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    (``clone`` maps each argument, e.g. copying tensors; taken before the call runs)."""
     calls: list = []
 
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if isinstance(func, OpOverload):
-                calls.append((func, tree_map(clone, tuple(args)), tree_map(clone, dict(kwargs))))
-            return func(*args, **kwargs)
+    def before(func, args, kwargs, out):
+        if isinstance(func, OpOverload):
+            calls.append((func, tree_map(clone, tuple(args)), tree_map(clone, dict(kwargs))))
 
-    with Recorder():
-        fn()
+    run_observed(fn, before, before=True)
     return calls
 
 
-def run_observed(fn: Callable, observe: Callable) -> object:
-    """``fn()``, with ``observe(op, args, kwargs, out)`` called after each ATen call it makes,
-    autograd's backward calls included (the mode travels with autograd's thread-local state)."""
+def run_observed(fn: Callable, observe: Callable, before: bool = False) -> object:
+    """``fn()``, with ``observe(op, args, kwargs, out)`` called after each ATen call it makes
+    (``before``: ahead of it, ``out`` None), autograd's backward calls included (the mode travels
+    with autograd's thread-local state)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Observer(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if before:
+                observe(func, args, kwargs, None)
+                return func(*args, **kwargs)
             out = func(*args, **kwargs)
             observe(func, args, kwargs, out)
             return out

@@ -360,7 +360,7 @@ def _run_record(layer, fqn: str, call: CallArgs, fake_mode) -> tuple[list, list]
     shape, stride and dtype; a real tensor as a constant compared by value), output shapes; and the
     constants.  Tens of milliseconds where a joint export of the layer takes a third of a second
     (a LLaMA-3-8B layer); None where the eager run fails."""
-    names, state = _state(layer)
+    _, state = _state(layer)
     fakes = [
         (
             a.detach() if is_fake_of(fake_mode, a) else fake_mode.from_tensor(a.detach())

@@ -755,42 +755,26 @@ def local_bytes(spec: ShardingSpec) -> float:
 def compute_us(node: fx.Node, in_specs: Sequence, out_specs: Sequence, cm: CostModelLike) -> float:
     """Modelled µs of ``node`` under a strategy: its flops split over the mesh dims that shard an
     input (a contraction split over ranks leaves Partial outputs), plus the local bytes it reads and
-    writes (Partial values are full size)."""
-    rec = info(node)
-    if rec.flops is None:
-        rec.flops = flop_count(node)
-    flops_us, bytes_us = getattr(cm, "flops_per_us", None), getattr(cm, "hbm_bytes_per_us", None)
-    if not flops_us or not bytes_us:
-        return 0.0
-    split = 1
-    mesh = None
-    for s in in_specs:
-        if isinstance(s, ShardingSpec):
-            mesh = s.mesh
-            break
-    if mesh is not None:
-        for m in range(mesh.ndim):
-            if any(
-                isinstance(s, ShardingSpec) and isinstance(s.placements[m], Shard) for s in in_specs
-            ):
-                split *= mesh.shape[m]
-    moved = sum(local_bytes(s) for s in (*in_specs, *out_specs) if isinstance(s, ShardingSpec))
-    return rec.flops / split / flops_us + moved / bytes_us + _dispatch_us(node, in_specs, cm)
+    writes (Partial values are full size).  One state of ``compute_us_states``."""
+    ins = [s for s in in_specs if isinstance(s, ShardingSpec)]
+    outs = [s for s in out_specs if isinstance(s, ShardingSpec)]
+    state = (range(len(ins)), range(len(ins), len(ins) + len(outs)))
+    return compute_us_states(node, [state], ins + outs, {}, cm, in_specs=[in_specs])[0]
 
 
 def compute_us_states(
-    node: fx.Node, states: Sequence, specs: Sequence, terms: dict, cm: CostModelLike
+    node: fx.Node,
+    states: Sequence,
+    specs: Sequence,
+    terms: dict,
+    cm: CostModelLike,
+    in_specs: Sequence | None = None,
 ) -> list[float]:
     """``compute_us`` of ``node`` under each of ``states`` (``(input spec ids, output spec ids)``
-    into ``specs``, -1 for an output left unplaced), the same sums in the same order, with each
-    spec's local bytes and sharded mesh dims looked up once in ``terms`` (a cache kept by the
-    caller across nodes): ``plan="auto"`` asks for every state of every op (115k calls for a
-    LLaMA-3-8B on a 4x4x4 mesh)."""
-    if node.target in rules.VARIANTS:
-        return [
-            compute_us(node, [specs[i] for i in ins], [specs[i] for i in outs if i >= 0], cm)
-            for ins, outs in states
-        ]
+    into ``specs``, -1 for an output left unplaced), with each spec's local bytes and sharded mesh
+    dims looked up once in ``terms`` (a cache kept by the caller across nodes): ``plan="auto"``
+    asks for every state of every op (115k for a LLaMA-3-8B on a 4x4x4 mesh).  ``in_specs``: each
+    state's inputs as given (the expert ops' dispatch term reads them by position)."""
     rec = info(node)
     if rec.flops is None:
         rec.flops = flop_count(node)
@@ -808,7 +792,7 @@ def compute_us_states(
 
     out = []
     splits: dict = {}
-    for ins, outs in states:
+    for k, (ins, outs) in enumerate(states):
         mask, moved, shape = 0, 0, None
         for i in ins:
             lb, m, shape = term(i)
@@ -819,8 +803,12 @@ def compute_us_states(
                 moved += term(i)[0]
         split = splits.get(mask)
         if split is None:
-            split = splits[mask] = math.prod(k for m, k in enumerate(shape or ()) if mask >> m & 1)
-        out.append(rec.flops / split / flops_us + moved / bytes_us + 0.0)
+            split = splits[mask] = math.prod(n for m, n in enumerate(shape or ()) if mask >> m & 1)
+        dispatch = 0.0
+        if node.target in rules.VARIANTS:
+            given = in_specs[k] if in_specs is not None else [specs[i] for i in ins]
+            dispatch = _dispatch_us(node, given, cm)
+        out.append(rec.flops / split / flops_us + moved / bytes_us + dispatch)
     return out
 
 
