@@ -1397,6 +1397,10 @@ def lone_read(rank, world, timeout_s):
     return out
 
 
+def _train_step(model, x, labels) -> None:
+    model(x, labels=labels).loss.backward()
+
+
 def _comm_counts(fn, *args, **kwargs) -> dict:
     """{collective: count} torch runs in ``fn(*args, **kwargs)`` (torch's CommDebugMode: DTensor's
     functional collectives and c10d's in-place ones, which transformers' own TP hooks call)."""
@@ -1489,6 +1493,7 @@ def hf_train_cache(rank, world, names):
                     1 for p in compiled_programs(n0) for c in p.collectives()
                     if c.phase == "forward"
                 )  # fmt: skip
+                ours_step = sum(len(p.collectives()) for p in compiled_programs(n0))
                 layers = o.past_key_values.layers
                 kinds = sorted({type(t).__name__ for lay in layers for t in (lay.keys, lay.values)})
             # a loss that reads the returned cache, and the cache handed back into a training call
@@ -1503,7 +1508,9 @@ def hf_train_cache(rank, world, names):
         errs += [_rel(a, b) for a, b in zip(grads[1][1], grads[0][1])]
         hf = apply_tensor_parallelism(copy.deepcopy(ref), dm)
         theirs = sum(_comm_counts(hf, x, labels=labels).values())
+        step = sum(_comm_counts(_train_step, hf, x, labels).values())
         out[name] = dict(err=max(errs), kinds=kinds, ours=ours, torch=theirs)
+        out[name].update(ours_step=ours_step, torch_step=step)
     return out
 
 

@@ -1,5 +1,7 @@
 """The bucket stage: independent collectives of the per-rank graph merged, dependencies kept."""
 
+import copy
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -142,3 +144,29 @@ def test_a_training_program_bucketed_in_its_forward_partitions():
     num_fwd = sum(r[0] == "output" for r in prog.output_roles())
     fw, bw = partition_joint(local, num_fwd)
     assert any("all_reduce" in str(n.target) for n in fw.graph.nodes)
+
+
+def test_a_training_steps_gradient_gathers_are_one_collective():
+    """Training through the backend (plain global parameters) gathers each sharded parameter's
+    gradient, and each gather's result is permuted into the parameter's layout right away: that
+    permute counted as its first use kept every gather alone (14 all-gathers in a 2-layer
+    transformers Llama's backward, 28 collectives per step against torch TP's 16).  The layout
+    ops move after the merged collective: one all-gather carries every gradient, and the
+    gradients are single device's."""
+    import test_hf
+
+    from fxshard.backend import compiled_programs, programs_built
+
+    ref, plan, _, x, labels = test_hf._build("llama")
+    ref.train()
+    model = copy.deepcopy(ref)
+    n0 = programs_built()
+    f = test_hf._compile(model, plan)
+    f(x, labels=labels).loss.backward()
+    ref(x, labels=labels).loss.backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    (prog,) = compiled_programs(n0)
+    gathers = [c for c in prog.collectives() if c.phase == "backward" and c.kind == "all_gather"]
+    # every layer's 7 sharded weights (the head's gradient is computed whole on each rank)
+    assert len(gathers) == 1 and len(gathers[0].carries) == 14, gathers

@@ -7,8 +7,11 @@ over several mesh dims is the planner's business: ``multi_dim_collectives``.)
 A bucket is only formed where it changes no dependency: the merged collective runs after the last
 of its inputs is produced and before the first use of any of its outputs, so a collective whose
 input depends on another's output never joins that one's bucket; a forward collective never shares
-a bucket with a backward one.  The merged node carries the planned collectives of the ones it
-replaced (``info(node).carries``).
+a bucket with a backward one.  A collective's result that goes through layout ops only
+(``permute``, ``view``, ``clone``...) before its first real use counts as used there: those ops
+move after the merged collective (a training graph's gradient all-gathers, each permuted into
+the parameter's layout before the graph returns it, become one).  The merged node carries the
+planned collectives of the ones it replaced (``info(node).carries``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,43 @@ def _collective_key(node: fx.Node):
         x, k, group = node.args
         return ("all_gather", k, group, x.meta["val"].dtype)
     return None
+
+
+_aten = torch.ops.aten
+# one tensor in (the value before it in the chain), its layout or a copy out: free to run later
+_LAYOUT = {
+    _aten.permute.default,
+    _aten.transpose.int,
+    _aten.t.default,
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten._unsafe_view.default,
+    _aten.clone.default,
+    _aten.contiguous.default,
+    _aten.alias.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+    _aten.unsqueeze.default,
+    _aten.narrow.default,
+    _aten.slice.Tensor,
+    _aten.expand.default,
+}
+
+
+def _layout_chain(wait: fx.Node) -> tuple[list, list]:
+    """The layout ops that follow ``wait`` (each with no other tensor input) and the nodes that
+    use the chain's values otherwise (its real first uses)."""
+    chain, frontier, todo = [], [], [wait]
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            inputs = [a for a in u.all_input_nodes if a is not x]
+            if u.op == "call_function" and u.target in _LAYOUT and not inputs:
+                chain.append(u)
+                todo.append(u)
+            else:
+                frontier.append(u)
+    return chain, frontier
 
 
 def _wait_of(node: fx.Node):
@@ -65,7 +105,8 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -
         x = n.args[0]
         if any(is_symbolic(d) for d in x.meta["val"].shape):
             continue  # dynamic shapes: its size is not known until it runs
-        first_use = min((order[u] for u in wait.users), default=math.inf)
+        chain, frontier = _layout_chain(wait)
+        first_use = min((order[u] for u in frontier), default=math.inf)
         items.append(
             (
                 key,
@@ -74,12 +115,13 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -
                 order[x],
                 first_use,
                 x.meta["val"].numel() * x.meta["val"].element_size(),
+                chain,
             )
         )
     buckets: list[list] = []
     open_by_key: dict = {}
     for it in items:
-        key, _n, _w, produced, first_use, nbytes = it
+        key, _n, _w, produced, first_use, nbytes, _chain = it
         b = open_by_key.get(key)
         if b is not None:
             ready = max(produced, max(m[3] for m in b))
@@ -152,6 +194,11 @@ def _rewrite(gm, bucket, order):
                 torch.ops.aten.reshape.default, (part, [key[1] * val.shape[0], *val.shape[1:]])
             )
         it[2].replace_all_uses_with(out)
+    # the layout ops after each result run after the merged collective, in their order (their
+    # other uses come after the last input, the bucket's condition)
+    for m in sorted((m for it in bucket for m in it[6]), key=lambda m: order[m]):
+        cursor.append(m)
+        cursor = m
     for it in bucket:
         g.erase_node(it[2])
         g.erase_node(it[1])
