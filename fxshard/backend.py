@@ -213,7 +213,12 @@ class BackendOptions:
 
     @property
     def mesh_spec(self) -> MeshSpec:
-        return MeshSpec.from_device_mesh(self.mesh)
+        """The mesh as a MeshSpec (made once per mesh object: a DeviceMesh's rank tensor is
+        rebuilt on every read, and each call asks for it several times)."""
+        hit = self.__dict__.get("_mesh_spec")
+        if hit is None or hit[0] is not self.mesh:
+            hit = self.__dict__["_mesh_spec"] = (self.mesh, MeshSpec.from_device_mesh(self.mesh))
+        return hit[1]
 
     def _check_types(self) -> None:
         """Every option's type and range, said when the options are read (not at the first call,

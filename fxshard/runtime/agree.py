@@ -78,7 +78,15 @@ def _real_group() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
 
+# (id of a DeviceMesh, timeout) -> (that mesh, its group): DeviceMesh.mesh rebuilds its rank
+# tensor on every read (about 0.1 ms), and a decode step asks for the group several times
+_BY_MESH: dict = {}
+
+
 def _check_group(device_mesh: DeviceMesh, timeout_s: float):
+    hit = _BY_MESH.get((id(device_mesh), timeout_s))
+    if hit is not None and hit[0] is device_mesh:
+        return hit[1]
     ranks = tuple(sorted(int(r) for r in device_mesh.mesh.flatten().tolist()))
     key = (ranks, float(timeout_s))
     if key not in _GROUPS:
@@ -88,7 +96,8 @@ def _check_group(device_mesh: DeviceMesh, timeout_s: float):
             timeout=datetime.timedelta(seconds=timeout_s),
             use_local_synchronization=True,
         )
-    return _GROUPS[key]
+    _BY_MESH[(id(device_mesh), timeout_s)] = (device_mesh, _GROUPS[key])  # holds the mesh: no
+    return _GROUPS[key]  # id of a live key is reused
 
 
 _READS = [0]  # sharded values read in eager code on this rank (KeptTensor.full): every rank counts
