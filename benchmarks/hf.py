@@ -12,14 +12,16 @@ on ``--ranks`` gloo ranks of this machine (CPU, loopback):
   decode steps, one program for every cache length).
 
 Columns: collectives of one forward step (fxshard: its per-rank program; HF: counted at dispatch
-on the compiled step's eager twin, the same collectives), forward step time (median of
+on the compiled step's eager twin, the same collectives), the same for the default call
+(``model(x)``, which makes and returns a ``DynamicCache``), forward step time (median of
 ``--repeats`` calls, a barrier before each, the variants alternating; ``use_cache=False``), whether
 the logits equal single device, greedy ``generate`` tokens/s (``--tokens`` new tokens, with
 transformers' default cache (``DynamicCache``, growing by a token per step) and with a static
-cache; two untimed generations compile every program, the timed third includes the prefill) and
-its median decode step (time between tokens, from a streamer), the collectives and bytes one
-decode step moves (fxshard: its last decode program; HF: counted at dispatch), and how many
-programs fxshard built for the generations (prefill + decode programs, whatever the length).
+cache; two untimed generations compile every program, then the median of three timed ones,
+prefill included) and its median decode step (time between tokens, from a streamer), the
+collectives and bytes one decode step moves (fxshard: its last decode program; HF: counted at
+dispatch), and how many programs fxshard built for the generations (prefill + decode programs,
+whatever the length).
 The first forward's time is the compile (first call). The training table: ``model(x,
 labels=x).loss.backward()`` and an AdamW step in train mode (the model makes and returns its
 cache, as users call it): collectives per step, step time, the first step's time (compile), and
@@ -51,6 +53,7 @@ MOE = dict(num_experts_per_tok=2, head_dim=32)
 HF, FX = "HF TP + torch.compile", "fxshard"
 PAR = "fxshard.parallelize"  # sharded parameters (training table)
 CACHES = ("dynamic", "static")
+GENERATIONS = 3  # timed generations per variant and cache (medians)
 
 
 def build(name):
@@ -59,6 +62,8 @@ def build(name):
     torch.manual_seed(0)
     make = {
         "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**SIZE)),
+        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**SIZE)),
+        "olmo2": lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**SIZE)),
         "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**SIZE, head_dim=32)),
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**SIZE, head_dim=32)),
         "llama_eager": lambda: T.LlamaForCausalLM(
@@ -198,6 +203,9 @@ def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True, train
         with torch.no_grad(), counter:
             hf(x, use_cache=False)
         hf_calls = len(counter.calls)
+        with torch.no_grad(), CollectiveBytes() as c:  # the default call: it returns its cache
+            hf(x)
+        hf_default = len(c.calls)
         hf_c = torch.compile(hf)
         fx_model = copy.deepcopy(base)
         # by identity (held, so no id is reused): earlier architectures' graphs may be dropped
@@ -217,6 +225,9 @@ def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True, train
                 same[label] = bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
             fx_progs = [p for p in compiled_programs() if not any(p is q for q in before)]
             fx_calls = sum(len(p.collectives()) for p in fx_progs)
+            n0 = programs_built()
+            fx_c(x)  # the default call (its DynamicCache comes back as each rank's heads)
+            fx_default = sum(len(p.collectives()) for p in compiled_programs(n0))
             for _ in range(repeats):
                 for label, m in variants.items():
                     dist.barrier()
@@ -255,16 +266,20 @@ def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True, train
                     programs = len(new)
                     calls = new[-1].collectives()  # the last program built: a decode step
                     decode = (len(calls), sum(c.bytes for c in calls))
-                dist.barrier()
-                t = time.perf_counter()
-                stamps = Stamps()
-                got_tokens = model.generate(prompt, streamer=stamps, **gen_kw)
-                gen_s = time.perf_counter() - t
+                gens, decodes = [], []
+                for _ in range(GENERATIONS):  # one generation's time is noise on 2 cores
+                    dist.barrier()
+                    t = time.perf_counter()
+                    stamps = Stamps()
+                    got_tokens = model.generate(prompt, streamer=stamps, **gen_kw)
+                    gens.append(time.perf_counter() - t)
+                    decodes.append(stamps.decode_step())
+                gen_s = statistics.median(gens)
                 r = row.setdefault(label, {})
                 r[cache] = dict(
                     same=same[label] and bool(torch.equal(got_tokens, want_tokens[cache])),
                     tokens_s=batch * tokens / gen_s,
-                    decode_ms=1e3 * stamps.decode_step(),
+                    decode_ms=1e3 * statistics.median(decodes),
                     decode_calls=decode[0],
                     decode_bytes=decode[1],
                     programs=programs,
@@ -274,6 +289,8 @@ def worker(rank, world, archs, batch, seq, tokens, repeats, generate=True, train
             row[label]["same"] = same[label]
         row[HF]["calls"] = hf_calls
         row[FX]["calls"] = fx_calls
+        row[HF]["calls_default"] = hf_default
+        row[FX]["calls_default"] = fx_default
         out[name] = row
     if train:
         out["train"] = train_rows(dm, archs, x, repeats)
@@ -310,15 +327,17 @@ def main():
         f"generate: {args.tokens} greedy tokens"
     )
     print(
-        f"{'arch':12} {'collectives HF/fx':>17} {'step ms HF':>10} {'step ms fx':>10} "
-        f"{'fx/HF':>6} {'same HF/fx':>10} {'first call s HF/fx':>18} {'fx/HF':>6}"
+        f"{'arch':12} {'collectives HF/fx':>17} {'default call':>12} {'step ms HF':>10} "
+        f"{'step ms fx':>10} {'fx/HF':>6} {'same HF/fx':>10} {'first call s HF/fx':>18} "
+        f"{'fx/HF':>6}"
     )
     for name in archs:
         r0 = per_rank[0][name]
         same = [all(r[name][k]["same"] for r in per_rank) for k in (hf, fx)]
         first = [med(name, k, "first_s") for k in (hf, fx)]
+        default = f"{r0[hf]['calls_default']}/{r0[fx]['calls_default']}"
         print(
-            f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} "
+            f"{name:12} {r0[hf]['calls']:>8d}/{r0[fx]['calls']:<8d} {default:>12} "
             f"{med(name, hf, 'step_ms'):10.1f} {med(name, fx, 'step_ms'):10.1f} "
             f"{med(name, fx, 'step_ms') / med(name, hf, 'step_ms'):6.2f} "
             f"{str(same[0]):>5}/{str(same[1]):<5} {first[0]:8.1f}/{first[1]:<9.1f} "

@@ -876,10 +876,15 @@ def control_flow_op(node) -> str | None:
 
 
 # ---- DTensor at program boundaries --------------------------------------------------------------
-def is_dtensor(x: object) -> bool:
-    from torch.distributed.tensor import DTensor
+_DTENSOR: list = []  # the DTensor class, imported on first use (every call asks, per argument)
 
-    return isinstance(x, DTensor)
+
+def is_dtensor(x: object) -> bool:
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return isinstance(x, _DTENSOR[0])
 
 
 def dtensor_layout(dt) -> tuple[tuple, dict | None]:
@@ -1117,6 +1122,12 @@ class WrapperTensor(torch.Tensor):
 
 def contiguous_strides(shape: Sequence) -> tuple:
     """Row-major strides of ``shape`` (SymInt sizes too)."""
+    if all(type(d) is int for d in shape):  # every KeptTensor a call hands back: plain Python
+        strides, step = [], 1
+        for d in reversed(tuple(shape)):
+            strides.append(step)
+            step *= max(d, 1)  # (torch's rule: a 0-size dim counts as 1)
+        return tuple(reversed(strides))
     from torch._prims_common import make_contiguous_strides_for
 
     return tuple(make_contiguous_strides_for(tuple(shape)))

@@ -571,12 +571,17 @@ class ShardedGraph:
         training = torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         )
-        key = (training, *self._key(args))
-        entry = self.entries.get(key)
-        if entry is None and self.dynamic is not None and not training:
+        entry = None
+        if self.dynamic is not None and not training:
+            # the symbolic program first: each decode step has new sizes, so a key of sizes
+            # would miss every time (a per-size entry exists only for a signature that has no
+            # symbolic program: ``per_size``)
             entry = self._symbolic_entry(args)
         if entry is None:
-            entry = self.entries[key] = self._build(args, training)
+            key = (training, *self._key(args))
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = self._build(args, training)
         flat = entry(args)
         return tuple(flat) if self.returns_sequence else flat[0]
 
@@ -913,11 +918,11 @@ class ShardedGraph:
             hit is not None
             and hit[0]() is t
             and hit[1] == (tensor_version(t), t.data_ptr())
-            and hit[2].shape == spec.local_shape(compiled.coord_ints)
-        ):
+            and (hit[3] is spec or hit[3] == spec)  # a program that places it otherwise (on
+        ):  # another mesh dim, with the same local shape) gets its own shard
             return hit[2]
         local = compiled.local_of(t, spec)
-        self._shards[i] = (weakref.ref(t), (tensor_version(t), t.data_ptr()), local)
+        self._shards[i] = (weakref.ref(t), (tensor_version(t), t.data_ptr()), local, spec)
         return local
 
 

@@ -61,8 +61,13 @@ OUTPUTS = ("global", "dtensor")
 STATES = ("sharded", "global")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_sharded_arg(x: object) -> bool:
     """A value a program takes as its local shard: a DTensor, or a sharded KeptTensor."""
+    if type(x) in _PLAIN:  # most arguments, every call: no subclass checks
+        return False
     return is_dtensor(x) or (isinstance(x, KeptTensor) and x.sharded)
 
 
