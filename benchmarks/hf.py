@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
+import sys
 import time
 
 import torch
@@ -146,11 +148,18 @@ def train_rows(dm, archs, x, repeats, steps=3):
             want.backward()
             ref_opt.step()
             for label, m in models.items():
+                if "error" in row[label]:
+                    continue
                 dist.barrier()
                 t = time.perf_counter()
                 opts[label].zero_grad()
-                loss = m(input_ids=x, labels=x).loss
-                loss.backward()
+                try:
+                    loss = m(input_ids=x, labels=x).loss
+                    loss.backward()
+                except Exception as e:  # (every rank fails alike: a compile error) the row says
+                    row[label]["error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:80]}"
+                    print(f"{name} {label}: {row[label]['error']}", file=sys.stderr)
+                    continue
                 opts[label].step()
                 dt = time.perf_counter() - t
                 if step == 0:
@@ -164,7 +173,9 @@ def train_rows(dm, archs, x, repeats, steps=3):
         row[FX]["calls"] = sum(len(p.collectives()) for p in compiled_programs(n0))
         row[PAR]["calls"] = sum(len(p.collectives()) for k, (p, _) in pm._programs.items() if k[0])
         for label in models:
-            row[label]["step_ms"] = 1e3 * statistics.median(row[label].pop("times"))
+            times = row[label].pop("times")
+            row[label]["step_ms"] = 1e3 * statistics.median(times) if times else math.nan
+            row[label].setdefault("first_s", math.nan)
         out[name] = row
     return out
 
@@ -364,7 +375,10 @@ def main():
             ks = (hf, fx, PAR)
             ms = [statistics.median(r[k]["step_ms"] for r in rows) for k in ks]
             first = [statistics.median(r[k]["first_s"] for r in rows) for k in ks]
-            same = [all(r[k]["same"] for r in rows) for k in ks]
+            same = [
+                "error" if any("error" in r[k] for r in rows) else all(r[k]["same"] for r in rows)
+                for k in ks
+            ]
             calls = "/".join(str(r0[k]["calls"]) for k in ks)
             print(
                 f"{name:12} {calls:>21} {ms[0]:10.1f} {ms[1]:6.1f} {ms[2]:6.1f} "
