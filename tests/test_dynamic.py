@@ -56,6 +56,20 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, t, -1)), k, v
 
 
+def _decode(model, f, k, v, steps=6):
+    """``steps`` decode calls of ``f``, each against single device, the cache growing a token;
+    the cache after them."""
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.randn(2, 1, 32)
+            want = model(x, k, v)
+            got = f(x, k, v)
+            for a, b in zip(got, want):
+                _close(a, b)
+            k, v = want[1], want[2]
+    return k, v
+
+
 def _attention_plan():
     return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
             "o": RowwiseParallel()}  # fmt: skip
@@ -81,14 +95,7 @@ def test_one_program_for_every_cache_length(mesh):
     n0 = programs_built()
     k = torch.randn(2, 4, 3, 8)
     v = torch.randn(2, 4, 3, 8)
-    with torch.no_grad():
-        for _ in range(6):
-            x = torch.randn(2, 1, 32)
-            want = model(x, k, v)
-            got = f(x, k, v)
-            for a, b in zip(got, want):
-                _close(a, b)
-            k, v = want[1], want[2]
+    _decode(model, f, k, v)
     progs = compiled_programs(n0)
     assert [p.symbolic for p in progs] == [False, True], [p.symbolic for p in progs]
     sym = progs[-1]
@@ -233,14 +240,7 @@ def test_a_decode_step_goes_straight_to_the_symbolic_program(monkeypatch):
         keys[0] += 1
         return key(self, args)
 
-    with torch.no_grad():
-        for step in range(6):
-            if step == 3:  # the symbolic program is built (dynamo made the length dynamic)
-                monkeypatch.setattr(ShardedGraph, "_key", counted)
-            x = torch.randn(2, 1, 32)
-            want = model(x, k, v)
-            got = f(x, k, v)
-            for a, b in zip(got, want):
-                _close(a, b)
-            k, v = want[1], want[2]
+    k, v = _decode(model, f, k, v, steps=3)  # the symbolic program is built (length dynamic)
+    monkeypatch.setattr(ShardedGraph, "_key", counted)
+    _decode(model, f, k, v, steps=3)
     assert keys[0] == 0, keys
