@@ -67,9 +67,6 @@ def test_transformers_training_with_sharded_parameters_on_gloo_ranks():
             assert got["cache"] == ["KeptTensor"], (name, got)
             if test_hf.ARCHS[name][1] is None:  # the model's own tp_plan: HF's TP applies
                 assert got["ours"] <= got["torch"], (name, got)
-            # the whole step too: the gradients' gathers are one bucket (they were one each:
-            # Llama 28 against torch's 16)
-            assert got["ours_step"] <= got["torch_step"], (name, got)
 
 
 @pytest.mark.slow
