@@ -72,6 +72,27 @@ def _rename(gm, name):
     return out
 
 
+def test_a_collective_of_an_earlier_results_layout_never_joins_its_bucket():
+    """The layout ops after a result (here a view) move after a bucket's merged collective; a
+    collective whose input is such a view depends on that result and stays alone (merging them
+    made the graph use a value before it was computed)."""
+    F = torch.ops._c10d_functional
+
+    def f(x):
+        a = F.wait_tensor(F.all_gather_into_tensor(x, 2, "g0"))
+        b = F.wait_tensor(F.all_gather_into_tensor(a.view(-1), 2, "g0"))
+        return b
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 3))
+    for n in collective_nodes(gm):
+        info(n).carries = (
+            fxshard.Collective(str(n.target).split(".")[1], (0,), 0, 0.0, n.name, "", ""),
+        )
+    assert bucket_collectives(gm) == 0
+    gm.graph.lint()
+    assert len(collective_nodes(gm)) == 2
+
+
 def test_bucketing_in_a_sharded_program():
     def f(a, b, c, d):
         return a @ b, c @ d

@@ -121,8 +121,12 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int = DEFAULT_CAP_BYTES) -
     buckets: list[list] = []
     open_by_key: dict = {}
     for it in items:
-        key, _n, _w, produced, first_use, nbytes, _chain = it
+        key, n, _w, produced, first_use, nbytes, _chain = it
         b = open_by_key.get(key)
+        # an input that is a layout op of an earlier result depends on that result: the layout
+        # chain must not hide it
+        if b is not None and any(n.args[0] in m[6] for m in b):
+            b = None
         if b is not None:
             ready = max(produced, max(m[3] for m in b))
             needed = min(first_use, min(m[4] for m in b))
