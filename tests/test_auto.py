@@ -369,6 +369,44 @@ def test_a_3d_mesh_plan_of_a_small_model_within_its_time_limit():
     assert cost <= whole.modelled_cost()["total_us"] * (1 + 5e-3) + 1e-9
 
 
+def test_a_3d_mesh_enumerates_only_the_states_its_per_dim_solves_use(monkeypatch):
+    """On a (dp, cp, tp) mesh the rules are asked for the per-dim combinations that place alike
+    on dims (0, 1) or (1, 2) only, the states the per-mesh-dim solves pick from: fewer states
+    (a torchtitan 8B on 4x4x4 plans in 7.7 s instead of 13.5 s here), the same plans."""
+    from fxshard.placement.problem import PlacementProblem, tied
+    from fxshard.rules.dtensor import mesh_products, tied_mesh_dims
+
+    ties = (((0,), (1, 2)), ((0, 1), (2,)))
+    with tied_mesh_dims(ties):
+        got = list(mesh_products("abc", 3))
+    assert len(got) == len(set(got)) == 3 * 3 + 3 * 3 - 3
+    assert all(p[0] == p[1] or p[1] == p[2] for p in got) and len(list(mesh_products("ab", 3))) == 8
+    seen = []
+    real = PlacementProblem.legal_states
+
+    def spy(self, node, cur, ties=None):
+        out = real(self, node, cur, ties)
+        if ties is not None and out.source == "rule":
+            seen.append((out.states, real(self, node, cur).states, ties))
+        return out
+
+    monkeypatch.setattr(PlacementProblem, "legal_states", spy)
+    m, x = _llama()
+    mesh = fxshard.MeshSpec((2, 2, 2), names=("dp", "cp", "tp"))
+    opts = fxshard.AutoOptions(time_budget_s=900)
+    prog = fxshard.shard(m, mesh, plan="auto", example_inputs=x, training=True, auto_options=opts)
+    assert seen and prog.captured.auto.decomposed
+    assert all(tied(st, t) for states, _, t in seen for st in states)
+    assert sum(len(s) for s, _, _ in seen) * 2 < sum(len(a) for _, a, _ in seen)
+    for states, every, t in seen:  # the tied states of every legal one, no more and no fewer
+        want = [st for st in every if tied(st, t)] or every
+        assert set(states) == set(want)
+    ref = m(*x)
+    out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
+    ref.sum().backward()
+    assert _rel(out, ref) < 1e-5
+
+
 def test_a_3d_mesh_plan_is_never_worse_than_the_hand_plans():
     """A Llama training step on (dp, cp, tp): solved per mesh dim (two tied solves, then one mesh
     dim at a time), the plan costs no more than Megatron on tp with the batch on dp and cp, or

@@ -117,9 +117,9 @@ def test_greedy_and_auto_read_the_same_states(monkeypatch):
     calls = {"n": 0}
     real = problem_mod.PlacementProblem.legal_states
 
-    def counted(self, node, cur):
+    def counted(self, node, cur, *rest):
         calls["n"] += 1
-        return real(self, node, cur)
+        return real(self, node, cur, *rest)
 
     monkeypatch.setattr(problem_mod.PlacementProblem, "legal_states", counted)
     model = init_weights(MLP())

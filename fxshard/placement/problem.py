@@ -71,6 +71,7 @@ from ..ir import (
     whole_dims,
 )
 from ..planner import plan_in_program
+from ..rules.dtensor import tied_mesh_dims
 from .constraints import PlanConstraints
 
 log = logging.getLogger("fxshard")
@@ -151,6 +152,16 @@ _RESHAPE_OPS = frozenset(
         torch.ops.aten.view_copy.default,
     }
 )
+
+
+def tied(state, ties) -> bool:
+    """Whether a state ((input specs), (output specs)) places alike on every group of mesh dims of
+    one of the groupings ``ties`` (``((0, 1), (2,))``: dims 0 and 1 alike)."""
+    specs = [s for side in state for s in side if isinstance(s, ShardingSpec)]
+    cols = list(zip(*(s.placements for s in specs))) if specs else []
+    if not cols:
+        return True
+    return any(all(all(cols[m] == cols[g[0]] for m in g[1:]) for g in gr) for gr in ties)
 
 
 def reshapes_soundly(node: fx.Node, ins: Sequence, outs: Sequence) -> bool:
@@ -408,18 +419,20 @@ class PlacementProblem:
         )
 
     def candidates(
-        self, node: fx.Node, placements: Sequence, op_key: tuple | None = None
+        self, node: fx.Node, placements: Sequence, op_key: tuple | None = None, ties=None
     ) -> list | str | None:
         """The sharding rule's candidates for ``node`` given its tensor inputs' ``placements``
-        (memoised by op, argument shapes and placements); "factory"; None without a rule."""
+        (memoised by op, argument shapes and placements); "factory"; None without a rule.
+        ``ties``: mesh-dim groupings the enumeration keeps to (``rules.tied_mesh_dims``)."""
         op_key = op_key or self._op_key(node)
-        key = (op_key, tuple(placements))
+        key = (op_key, tuple(placements), ties)
         if key not in self._candidates:
             args = tree_map(_val, tuple(node.args))
             kwargs = tree_map(_val, dict(node.kwargs))
             zeros = op_key[-1]
             try:
-                found = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
+                with tied_mesh_dims(ties):
+                    found = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
             except Exception as e:  # a rule that raises is treated as no rule, loudly
                 log.debug("rule for %s raised %r", node.target, e)
                 found = None
@@ -444,23 +457,31 @@ class PlacementProblem:
             specs.append(self.spec(plc, _val(a)))
         return tuple(specs)
 
-    def legal_states(self, node: fx.Node, cur: Sequence[ShardingSpec]) -> LegalStates:
+    def legal_states(self, node: fx.Node, cur: Sequence[ShardingSpec], ties=None) -> LegalStates:
         """The op's legal states; ``cur``: its tensor inputs' current specs, the placements
         DTensor's follow-the-input rules enumerate from.  A custom op without a rule is an error;
-        an op whose rule allows nothing here is computed replicated (``source="fallback"``)."""
+        an op whose rule allows nothing here is computed replicated (``source="fallback"``).
+        ``ties`` (mesh-dim groupings, see ``tied``): only the states that place alike on every
+        group of one of them, where there are any (else all)."""
         op_key = self._op_key(node)
         used = used_outputs(node)
-        key = (op_key, tuple(cur), frozenset(used))
+        key = (op_key, tuple(cur), frozenset(used), ties)
         hit = self._legal.get(key)
         if hit is None:
-            hit = self._legal[key] = self._legal_states(node, cur, op_key, used)
+            hit = self._legal_states(node, cur, op_key, used, ties)
+            if ties is not None and hit.source == "rule":
+                kept = [st for st in hit.states if tied(st, ties)]
+                if not kept:  # nothing tied: every state (the tied enumeration may miss some)
+                    kept = self.legal_states(node, cur).states
+                hit = LegalStates(kept, hit.source, hit.why)
+            self._legal[key] = hit
         return LegalStates(list(hit.states), hit.source, hit.why)
 
-    def _legal_states(self, node, cur, op_key, used) -> LegalStates:
+    def _legal_states(self, node, cur, op_key, used, ties=None) -> LegalStates:
         targs = tensor_args(node)
         out_val = node.meta.get("val")
         outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
-        cands = self.candidates(node, [s.placements for s in cur], op_key)
+        cands = self.candidates(node, [s.placements for s in cur], op_key, ties)
         rep_out = tuple(self.replicated(v) if isinstance(v, torch.Tensor) else None for v in outs)
         if cands == "factory":
             return LegalStates(

@@ -10,6 +10,7 @@ Shard) and calls "follow-the-input" strategy functions once per seed placement o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -56,6 +57,45 @@ def _spec_schema(op, args, kwargs, mesh, placements) -> OpSchema:
     return OpSchema(op, tuple(a), k, schema_info=info)
 
 
+# Mesh-dim ties of the enumeration (``tied_mesh_dims``): None, every combination of per-dim
+# choices; else a list of groupings (each a partition of the mesh dims into groups), and only the
+# combinations that choose alike on every group of one of them.
+_TIES: list | None = None
+
+
+@contextlib.contextmanager
+def tied_mesh_dims(groupings):
+    """Inside: the rules enumerate only per-mesh-dim combinations tied on some grouping (``[[[0,
+    1], [2]], [[0], [1, 2]]]`` on a 3-D mesh: placements alike on dims 0 and 1, or on 1 and 2).
+    A 3-D mesh then costs about twice a 2-D one instead of the cube of its per-dim choices;
+    ``placement.auto`` solves such meshes over tied states (and filters what rules return)."""
+    global _TIES
+    old, _TIES = _TIES, [list(map(tuple, g)) for g in groupings] if groupings else None
+    try:
+        yield
+    finally:
+        _TIES = old
+
+
+def mesh_products(options, ndim: int):
+    """``itertools.product(options, repeat=ndim)``, or only its tied combinations inside
+    ``tied_mesh_dims`` (in product order, each once)."""
+    if _TIES is None:
+        yield from itertools.product(options, repeat=ndim)
+        return
+    seen = set()
+    for grouping in _TIES:
+        for pick in itertools.product(range(len(options)), repeat=len(grouping)):
+            idx = [0] * ndim
+            for g, k in zip(grouping, pick):
+                for m in g:
+                    idx[m] = k
+            key = tuple(idx)
+            if key not in seen:
+                seen.add(key)
+                yield tuple(options[k] for k in idx)
+
+
 def _enum_placements(t, mesh, current: Plc, with_partial: bool) -> list[Plc]:
     """Placement tuples to try as an input's placement (current first)."""
     opts = (
@@ -66,7 +106,7 @@ def _enum_placements(t, mesh, current: Plc, with_partial: bool) -> list[Plc]:
     # keep StridedShard / P(avg) / ... already present
     opts += [p for p in current if p not in opts]
     out = [tuple(current)]
-    for plc in itertools.product(opts, repeat=mesh.ndim):
+    for plc in mesh_products(opts, mesh.ndim):
         kinds = {(type(p), p.reduce_op) for p in plc if isinstance(p, Partial)}
         if plc == tuple(current) or (len(kinds) > 1 and {r for _, r in kinds} != {"sum", "avg"}):
             continue
@@ -252,7 +292,7 @@ def _expand(
     shardable: dict = {}
     # into found only when the whole expansion succeeded (DTensor's raises and returns nothing)
     out = []
-    for combo in itertools.product(rules, repeat=mesh.ndim):
+    for combo in mesh_products(rules, mesh.ndim):
         pos = [None if ps[0] is None else ps for ps in zip(*combo)]
         mixed = False
         for plc in pos:

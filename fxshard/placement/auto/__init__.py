@@ -172,7 +172,7 @@ def _solve_decomposed(fg: FactorGraph) -> list[int]:
     single = [torch.zeros(1, dtype=torch.long) for _ in fg.vars]
     followers = {i for i, v in enumerate(fg.vars) if v.derived is not None or len(v.states) < 2}
     deadline = fg.deadline
-    best, best_cost, steps = None, math.inf, []
+    best, best_cost, steps, best_groups = None, math.inf, [], None
     for cut in range(1, nd):
         if best is not None and time.perf_counter() >= deadline:
             steps.append("time budget spent")
@@ -189,24 +189,33 @@ def _solve_decomposed(fg: FactorGraph) -> list[int]:
         cost = objective(fg, choice)
         steps.append(f"tied {'|'.join(''.join(map(str, g)) for g in groups)} {cost:.4g} us")
         if cost < best_cost:
-            best, best_cost = choice, cost
-    improved, rounds = True, 0
-    while improved and rounds < 4 and time.perf_counter() < deadline:
-        improved, rounds = False, rounds + 1
-        for d in range(nd):
-            others = [m for m in range(nd) if m != d]
-            keep = []
-            for i, pid in enumerate(pids):
-                if i in followers:
-                    keep.append(torch.tensor([best[i] if len(pid) > best[i] >= 0 else 0]))
-                    continue
-                ok = (pid[:, others] == pid[best[i], others]).all(dim=1)
-                keep.append(torch.nonzero(ok).flatten())
-            choice = _solve_states(fg, keep)
-            cost = objective(fg, choice)
-            if cost < best_cost - 1e-9 * max(abs(best_cost), 1.0):
-                best, best_cost, improved = choice, cost, True
-                steps.append(f"dim {d} {cost:.4g} us")
+            best, best_cost, best_groups = choice, cost, groups
+    # coordinate descent, until nd steps in a row find nothing better: a step over a set the last
+    # exact solve covered is skipped (freeing a dim that is a group of its own in the tied solve
+    # the plan came from: those states were all in it)
+    done = {m for g in best_groups or () if len(g) == 1 for m in g}
+    d, rounds = nd - 1, 0
+    while len(done) < nd and rounds < 4 * nd and time.perf_counter() < deadline:
+        d, rounds = (d + 1) % nd, rounds + 1
+        if d in done:
+            continue
+        done.add(d)
+        others = [m for m in range(nd) if m != d]
+        keep, free = [], False
+        for i, pid in enumerate(pids):
+            if i in followers:
+                keep.append(torch.tensor([best[i] if len(pid) > best[i] >= 0 else 0]))
+                continue
+            k = torch.nonzero((pid[:, others] == pid[best[i], others]).all(dim=1)).flatten()
+            free = free or len(k) > 1
+            keep.append(k)
+        if not free:  # nothing to choose: the current plan
+            continue
+        choice = _solve_states(fg, keep)
+        cost = objective(fg, choice)
+        if cost < best_cost - 1e-9 * max(abs(best_cost), 1.0):
+            best, best_cost, done = choice, cost, {d}
+            steps.append(f"dim {d} {cost:.4g} us")
     fg.report.decomposed = "; ".join(steps)
     return best
 

@@ -30,7 +30,7 @@ from ..._torch import is_strided_shard
 from ...core.spec import ShardingSpec, is_even, placements_str
 from ...ir import BOUNDARY, BUFFER, CONSTANT, PARAM, NodeKind, flat_outputs, info, tensor_args
 from ...planner import costs_from, pairwise_costs, plan_in_program
-from ..problem import PlacementProblem, _val, compute_us_states, local_bytes
+from ..problem import PlacementProblem, _val, compute_us_states, local_bytes, tied
 from .options import AutoInfeasible, AutoOptions, AutoReport
 from .sharing import shared_nodes
 
@@ -105,6 +105,21 @@ class FactorGraph:
         self.var_of: dict[fx.Node, int] = {}
         self.factors: dict[tuple[int, int], torch.Tensor] = {}
         self.report = AutoReport(nodes=len(gm.graph.nodes))
+        # a mesh solved per dim (``auto._solve_decomposed``) only ever picks states that place
+        # alike on the groups of one split of its dims into two (then one dim at a time among
+        # those): the rules enumerate only those (a 4x4x4 mesh's states are the cube of per-dim
+        # choices, these about twice a 2-D mesh's)
+        nd = self.mesh.ndim
+        decompose = (
+            bool(options.decompose) and nd > 1
+            if options.decompose is not None
+            else nd >= 3 and not anchored
+        )
+        self.ties = (
+            tuple((tuple(range(c)), tuple(range(c, nd))) for c in range(1, nd))
+            if decompose and nd >= 3 and not anchored
+            else None
+        )
 
     # ---- specs and costs ----
     def sid(self, spec: ShardingSpec) -> int:
@@ -268,7 +283,7 @@ class FactorGraph:
         fixed = {
             m: opts.requested.placements[m] for m in range(self.mesh.ndim) if m not in opts.free
         }
-        specs = self.p.even_options(val, fixed)
+        specs = self._tied_specs(self.p.even_options(val, fixed))
         if not specs:
             rec = info(node)
             want = opts.requested.placements[self.cons.dim]
@@ -278,6 +293,13 @@ class FactorGraph:
             )
         return specs
 
+    def _tied_specs(self, specs: list[ShardingSpec]) -> list[ShardingSpec]:
+        """``specs`` that place alike on the groups of one of ``self.ties`` (all without ties, or
+        where none does)."""
+        if self.ties is None:
+            return specs
+        return [s for s in specs if tied(((s,), ()), self.ties)] or specs
+
     def _op_states(self, node: fx.Node) -> tuple[list, str]:
         targs = tensor_args(node)
         # rules enumerate every plain placement whatever ``cur`` is; anchored, ``cur`` is the
@@ -286,7 +308,7 @@ class FactorGraph:
             cur = [info(a).spec for a in targs]
         else:
             cur = [self.p.replicated(_val(a)) for a in targs]
-        legal = self.p.legal_states(node, cur)
+        legal = self.p.legal_states(node, cur, None if self.anchored else self.ties)
         if legal.source == "fallback":
             self.fallbacks.append((node, legal.why))  # warned after the solve, where it costs
             return legal.states, "fallback: replicated (no rule)"
@@ -436,6 +458,8 @@ class FactorGraph:
                 tag = rec.tag
                 want = self.p.boundary_requirement(n)
                 opts = self.p.even_options(n.meta["val"], {self.cons.dim: want[0]})
+                if not self.anchored:
+                    opts = self._tied_specs(opts)
                 if not opts:
                     raise AutoInfeasible(
                         f"{want[1]} asks for {want[0]} at {tag}, which does not divide shape "
