@@ -117,9 +117,9 @@ def test_greedy_and_auto_read_the_same_states(monkeypatch):
     calls = {"n": 0}
     real = problem_mod.PlacementProblem.legal_states
 
-    def counted(self, node, cur, *rest):
+    def counted(self, node, cur, *rest, **kw):
         calls["n"] += 1
-        return real(self, node, cur, *rest)
+        return real(self, node, cur, *rest, **kw)
 
     monkeypatch.setattr(problem_mod.PlacementProblem, "legal_states", counted)
     model = init_weights(MLP())

@@ -154,6 +154,17 @@ _RESHAPE_OPS = frozenset(
 )
 
 
+def _strided_spec(s) -> bool:
+    """Whether spec ``s`` holds a strided shard (memoised on the spec)."""
+    if not isinstance(s, ShardingSpec):
+        return False
+    hit = s.__dict__.get("_strided")
+    if hit is None:
+        hit = any(is_strided_shard(p) for p in s.placements)
+        object.__setattr__(s, "_strided", hit)
+    return hit
+
+
 def tied(state, ties) -> bool:
     """Whether a state ((input specs), (output specs)) places alike on every group of mesh dims of
     one of the groupings ``ties`` (``((0, 1), (2,))``: dims 0 and 1 alike)."""
@@ -457,27 +468,33 @@ class PlacementProblem:
             specs.append(self.spec(plc, _val(a)))
         return tuple(specs)
 
-    def legal_states(self, node: fx.Node, cur: Sequence[ShardingSpec], ties=None) -> LegalStates:
+    def legal_states(
+        self, node: fx.Node, cur: Sequence[ShardingSpec], ties=None, plain: bool = False
+    ) -> LegalStates:
         """The op's legal states; ``cur``: its tensor inputs' current specs, the placements
         DTensor's follow-the-input rules enumerate from.  A custom op without a rule is an error;
         an op whose rule allows nothing here is computed replicated (``source="fallback"``).
         ``ties`` (mesh-dim groupings, see ``tied``): only the states that place alike on every
-        group of one of them, where there are any (else all)."""
+        group of one of them, where there are any (else all).  ``plain``: the states without a
+        strided shard, where there are any (else the strided ones); the candidates left out are
+        never checked (a reshape's strided candidates are checked rank by rank)."""
         op_key = self._op_key(node)
         used = used_outputs(node)
-        key = (op_key, tuple(cur), frozenset(used), ties)
+        key = (op_key, tuple(cur), frozenset(used), ties, plain)
         hit = self._legal.get(key)
         if hit is None:
-            hit = self._legal_states(node, cur, op_key, used, ties)
+            hit = self._legal_states(node, cur, op_key, used, ties, plain)
+            if plain and hit.source != "rule":  # no plain state is legal: the strided ones
+                hit = self.legal_states(node, cur, ties)
             if ties is not None and hit.source == "rule":
                 kept = [st for st in hit.states if tied(st, ties)]
                 if not kept:  # nothing tied: every state (the tied enumeration may miss some)
-                    kept = self.legal_states(node, cur).states
+                    kept = self.legal_states(node, cur, plain=plain).states
                 hit = LegalStates(kept, hit.source, hit.why)
             self._legal[key] = hit
         return LegalStates(list(hit.states), hit.source, hit.why)
 
-    def _legal_states(self, node, cur, op_key, used, ties=None) -> LegalStates:
+    def _legal_states(self, node, cur, op_key, used, ties=None, plain=False) -> LegalStates:
         targs = tensor_args(node)
         out_val = node.meta.get("val")
         outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
@@ -501,6 +518,8 @@ class PlacementProblem:
                 continue
             if specs is None or len(out_specs) != len(outs):
                 continue
+            if plain and any(_strided_spec(x) for x in (*specs, *out_specs)):
+                continue  # (a strided candidate may still be a plain one in another shard order)
             if not runs_unevenly(node, specs, out_specs) or not shards_align(node, specs):
                 continue
             if not reshapes_soundly(node, specs, out_specs):

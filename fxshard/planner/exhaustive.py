@@ -277,8 +277,10 @@ def pairwise_costs(
             flat = torch.tensor(src_i) * N + torch.tensor(dst_i)
             D.view(-1).scatter_reduce_(0, flat, torch.tensor(w, dtype=torch.float64), "amin")
         D.fill_diagonal_(0.0)
-        for m in range(N):  # Floyd-Warshall
-            D = torch.minimum(D, D[:, m : m + 1] + D[m : m + 1, :])
+        via = torch.empty_like(D)
+        for m in range(N):  # Floyd-Warshall, in place (row and column m do not change in step m)
+            torch.add(D[:, m : m + 1], D[m : m + 1, :], out=via)
+            torch.minimum(D, via, out=D)
         for r, (_, ms) in enumerate(group):
             goals = [(j, idx.get(state_key(specs[j].levels, 0, pmask[j], M))) for j in ms]
             goals = [(j, g) for j, g in goals if g is not None]

@@ -30,26 +30,22 @@ from ..._torch import is_strided_shard
 from ...core.spec import ShardingSpec, is_even, placements_str
 from ...ir import BOUNDARY, BUFFER, CONSTANT, PARAM, NodeKind, flat_outputs, info, tensor_args
 from ...planner import costs_from, pairwise_costs, plan_in_program
-from ..problem import PlacementProblem, _val, compute_us_states, local_bytes, tied
+from ..problem import (
+    PlacementProblem,
+    _strided_spec,
+    _val,
+    compute_us_states,
+    local_bytes,
+    tied,
+)
 from .options import AutoInfeasible, AutoOptions, AutoReport
 from .sharing import shared_nodes
 
 INF = float("inf")
 
 
-def _strided(s) -> bool:
-    """Whether spec ``s`` holds a strided shard (asked per state of every op: kept on the spec)."""
-    if s is None:
-        return False
-    hit = s.__dict__.get("_strided")
-    if hit is None:
-        hit = any(is_strided_shard(p) for p in s.placements)
-        object.__setattr__(s, "_strided", hit)
-    return hit
-
-
 def _has_strided(state) -> bool:
-    return any(_strided(s) for side in state for s in side)
+    return any(_strided_spec(s) for side in state for s in side)
 
 
 class _Var:
@@ -308,7 +304,11 @@ class FactorGraph:
             cur = [info(a).spec for a in targs]
         else:
             cur = [self.p.replicated(_val(a)) for a in targs]
-        legal = self.p.legal_states(node, cur, None if self.anchored else self.ties)
+        legal = (
+            self.p.legal_states(node, cur)
+            if self.anchored
+            else self.p.legal_states(node, cur, self.ties, plain=True)
+        )
         if legal.source == "fallback":
             self.fallbacks.append((node, legal.why))  # warned after the solve, where it costs
             return legal.states, "fallback: replicated (no rule)"
