@@ -467,6 +467,47 @@ def test_a_3d_mesh_plan_is_never_worse_than_the_hand_plans():
         assert _rel(grads[fqn], p.grad) < 1e-4, fqn
 
 
+def test_the_tied_solves_of_a_3d_mesh_run_side_by_side_with_the_serial_result(monkeypatch):
+    """On a (dp, cp, tp) mesh the two tied solves run in two threads where there are two cores
+    (HiGHS releases the GIL), and come back with what one after the other gives: the same plan,
+    objective, steps and report sizes."""
+    import threading
+
+    from fxshard.placement import auto
+
+    m = zoo.init_weights(zoo.MegatronMLP(), seed=0)
+    x = (torch.randn(8, 16, 16),)
+    mesh = fxshard.MeshSpec((2, 2, 2), names=("dp", "cp", "tp"))
+    threads = []
+    real = auto._solve_states
+
+    def spy(fg, keep=None, report=None):
+        threads.append(threading.get_ident())
+        return real(fg, keep, report)
+
+    monkeypatch.setattr(auto, "_solve_states", spy)
+    runs = {}
+    for cores in (2, 1):
+        monkeypatch.setattr(auto.os, "cpu_count", lambda cores=cores: cores)
+        threads.clear()
+        opts = fxshard.AutoOptions(time_budget_s=900)
+        prog = fxshard.shard(
+            m, mesh, plan="auto", example_inputs=x, training=True, auto_options=opts
+        )
+        runs[cores] = (prog, set(threads[:2]))
+    (two, ids2), (one, ids1) = runs[2], runs[1]
+    assert len(ids2) == 2 and len(ids1) == 1
+    a, b = two.captured.auto, one.captured.auto
+    assert a.decomposed == b.decomposed and a.objective_us == b.objective_us
+    assert (a.ilp_columns, a.pruned_states, a.ilp_gap) == (
+        b.ilp_columns,
+        b.pruned_states,
+        b.ilp_gap,
+    )
+    specs = lambda p: [info(n).spec for n in p.global_graph.graph.nodes]  # noqa: E731
+    assert specs(two) == specs(one)
+
+
 def test_the_time_budget_bounds_the_whole_solve(recwarn):
     """AutoOptions(time_budget_s=...) is the time of the whole solve, the problem's build included:
     on a (dp, cp, tp) mesh a spent budget stops the per-mesh-dim steps after the first, whose LP

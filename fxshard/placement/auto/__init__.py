@@ -33,8 +33,11 @@ in graph order.  The modelled cost of any annotated program (auto or hand-writte
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 
@@ -75,9 +78,13 @@ def objective(fg: FactorGraph, choice: Sequence[int]) -> float:
     return total
 
 
-def _solve_states(fg: FactorGraph, keep: list[torch.Tensor] | None = None) -> list[int]:
+def _solve_states(
+    fg: FactorGraph, keep: list[torch.Tensor] | None = None, report: AutoReport | None = None
+) -> list[int]:
     """The best choice over each variable's states ``keep[v]`` (indices into its states; None:
-    all of them): chains and trees by DP, the core by the ILP.  Indices into the full states."""
+    all of them): chains and trees by DP, the core by the ILP.  Indices into the full states.
+    ``report``: where the solve's sizes and times go (``fg.report`` by default)."""
+    report = fg.report if report is None else report
     budget = fg.opt.memory_budget
     if keep is None:
         unary = [v.unary.clone() for v in fg.vars]
@@ -90,7 +97,7 @@ def _solve_states(fg: FactorGraph, keep: list[torch.Tensor] | None = None) -> li
     protected = {i for i, m in enumerate(mem_of) if budget is not None and m is not None}
     t0 = time.perf_counter()
     eliminated, alive, nbrs = eliminate(unary, factors, protected)
-    fg.report.eliminated = len(eliminated) - fg.report.followed
+    report.eliminated = len(eliminated) - fg.report.followed
     t1 = time.perf_counter()
     core = [i for i in range(len(fg.vars)) if alive[i]]
     choice = [-1] * len(fg.vars)
@@ -104,19 +111,30 @@ def _solve_states(fg: FactorGraph, keep: list[torch.Tensor] | None = None) -> li
             if v in memory_of:
                 memory[v] = memory_of[v][kept[v]]
         sub_factors = {(u, v): t[kept[u]][:, kept[v]] for (u, v), t in factors.items()}
-        fg.report.pruned_states = sum(len(unary[v]) - len(kept[v]) for v in core)
+        report.pruned_states = sum(len(unary[v]) - len(kept[v]) for v in core)
         for v, s in solve_ilp(
-            core, sub_unary, sub_factors, memory, budget, fg.opt, fg.report, fg.deadline
+            core, sub_unary, sub_factors, memory, budget, fg.opt, report, fg.deadline
         ).items():
             choice[v] = int(kept[v][s])
     t2 = time.perf_counter()
     backtrack(eliminated, unary, choice)
-    times = fg.report.times
+    times = report.times
     times["dp"] = times.get("dp", 0.0) + (t1 - t0) + (time.perf_counter() - t2)
     times["ilp"] = times.get("ilp", 0.0) + t2 - t1
     if keep is not None:
         choice = [int(k[c]) for k, c in zip(keep, choice)]
     return choice
+
+
+def _merge_report(into: AutoReport, rep: AutoReport) -> None:
+    """A solve's report into the whole one, as if the solve had written it: its sizes, its gap;
+    a stop is kept; times add up."""
+    for f in ("eliminated", "pruned_states", "ilp_variables", "ilp_columns", "ilp_gap"):
+        setattr(into, f, getattr(rep, f))
+    into.ilp_rounded = rep.ilp_rounded
+    into.stopped = into.stopped or rep.stopped
+    for k, t in rep.times.items():
+        into.times[k] = into.times.get(k, 0.0) + t
 
 
 def _placement_ids(fg: FactorGraph) -> torch.Tensor:
@@ -173,11 +191,9 @@ def _solve_decomposed(fg: FactorGraph) -> list[int]:
     followers = {i for i, v in enumerate(fg.vars) if v.derived is not None or len(v.states) < 2}
     deadline = fg.deadline
     best, best_cost, steps, best_groups = None, math.inf, [], None
-    for cut in range(1, nd):
-        if best is not None and time.perf_counter() >= deadline:
-            steps.append("time budget spent")
-            break
-        groups = [list(range(cut)), list(range(cut, nd))]
+    splits = [[list(range(cut)), list(range(cut, nd))] for cut in range(1, nd)]
+
+    def tied_solve(groups, report):
         keep = []
         for i, pid in enumerate(pids):
             if i in followers:
@@ -185,11 +201,28 @@ def _solve_decomposed(fg: FactorGraph) -> list[int]:
                 continue
             k = _tied(pid, groups)
             keep.append(k if len(k) else torch.arange(len(pid)))
-        choice = _solve_states(fg, keep)
+        return _solve_states(fg, keep, report)
+
+    # the tied solves are independent: side by side where there are cores for them (HiGHS runs
+    # without the GIL), each into its own report, merged in order as if run one after the other
+    spent = time.perf_counter() >= deadline  # the first only: its LP relaxation gives a plan
+    if spent:
+        splits = splits[:1]
+    reports = [dataclasses.replace(fg.report, times={}) for _ in splits]
+    workers = min(len(splits), os.cpu_count() or 1)
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            choices = list(pool.map(tied_solve, splits, reports))
+    else:
+        choices = [tied_solve(g, r) for g, r in zip(splits, reports)]
+    for groups, choice, rep in zip(splits, choices, reports):
+        _merge_report(fg.report, rep)
         cost = objective(fg, choice)
         steps.append(f"tied {'|'.join(''.join(map(str, g)) for g in groups)} {cost:.4g} us")
         if cost < best_cost:
             best, best_cost, best_groups = choice, cost, groups
+    if spent and nd > 2:
+        steps.append("time budget spent")
     # coordinate descent, until nd steps in a row find nothing better: a step over a set the last
     # exact solve covered is skipped (freeing a dim that is a group of its own in the tied solve
     # the plan came from: those states were all in it)
