@@ -71,7 +71,7 @@ from ..ir import (
     whole_dims,
 )
 from ..planner import plan_in_program
-from ..rules.dtensor import tied_mesh_dims
+from ..rules.dtensor import given_placements_only, tied_mesh_dims
 from .constraints import PlanConstraints
 
 log = logging.getLogger("fxshard")
@@ -430,19 +430,24 @@ class PlacementProblem:
         )
 
     def candidates(
-        self, node: fx.Node, placements: Sequence, op_key: tuple | None = None, ties=None
+        self,
+        node: fx.Node,
+        placements: Sequence,
+        op_key: tuple | None = None,
+        ties=None,
+        given: bool = False,
     ) -> list | str | None:
         """The sharding rule's candidates for ``node`` given its tensor inputs' ``placements``
         (memoised by op, argument shapes and placements); "factory"; None without a rule.
         ``ties``: mesh-dim groupings the enumeration keeps to (``rules.tied_mesh_dims``)."""
         op_key = op_key or self._op_key(node)
-        key = (op_key, tuple(placements), ties)
+        key = (op_key, tuple(placements), ties, given)
         if key not in self._candidates:
             args = tree_map(_val, tuple(node.args))
             kwargs = tree_map(_val, dict(node.kwargs))
             zeros = op_key[-1]
             try:
-                with tied_mesh_dims(ties):
+                with tied_mesh_dims(ties), given_placements_only(given):
                     found = rules.candidates(node.target, args, kwargs, self.rules_mesh, placements)
             except Exception as e:  # a rule that raises is treated as no rule, loudly
                 log.debug("rule for %s raised %r", node.target, e)
@@ -469,7 +474,12 @@ class PlacementProblem:
         return tuple(specs)
 
     def legal_states(
-        self, node: fx.Node, cur: Sequence[ShardingSpec], ties=None, plain: bool = False
+        self,
+        node: fx.Node,
+        cur: Sequence[ShardingSpec],
+        ties=None,
+        plain: bool = False,
+        given: bool = False,
     ) -> LegalStates:
         """The op's legal states; ``cur``: its tensor inputs' current specs, the placements
         DTensor's follow-the-input rules enumerate from.  A custom op without a rule is an error;
@@ -477,28 +487,31 @@ class PlacementProblem:
         ``ties`` (mesh-dim groupings, see ``tied``): only the states that place alike on every
         group of one of them, where there are any (else all).  ``plain``: the states without a
         strided shard, where there are any (else the strided ones); the candidates left out are
-        never checked (a reshape's strided candidates are checked rank by rank)."""
+        never checked (a reshape's strided candidates are checked rank by rank).  ``given``:
+        follow-the-input rules are asked for ``cur`` only (``rules.given_placements_only``)."""
         op_key = self._op_key(node)
         used = used_outputs(node)
-        key = (op_key, tuple(cur), frozenset(used), ties, plain)
+        key = (op_key, tuple(cur), frozenset(used), ties, plain, given)
         hit = self._legal.get(key)
         if hit is None:
-            hit = self._legal_states(node, cur, op_key, used, ties, plain)
+            hit = self._legal_states(node, cur, op_key, used, ties, plain, given)
             if plain and hit.source != "rule":  # no plain state is legal: the strided ones
-                hit = self.legal_states(node, cur, ties)
+                hit = self.legal_states(node, cur, ties, given=given)
             if ties is not None and hit.source == "rule":
                 kept = [st for st in hit.states if tied(st, ties)]
                 if not kept:  # nothing tied: every state (the tied enumeration may miss some)
-                    kept = self.legal_states(node, cur, plain=plain).states
+                    kept = self.legal_states(node, cur, plain=plain, given=given).states
                 hit = LegalStates(kept, hit.source, hit.why)
             self._legal[key] = hit
         return LegalStates(list(hit.states), hit.source, hit.why)
 
-    def _legal_states(self, node, cur, op_key, used, ties=None, plain=False) -> LegalStates:
+    def _legal_states(
+        self, node, cur, op_key, used, ties=None, plain=False, given=False
+    ) -> LegalStates:
         targs = tensor_args(node)
         out_val = node.meta.get("val")
         outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
-        cands = self.candidates(node, [s.placements for s in cur], op_key, ties)
+        cands = self.candidates(node, [s.placements for s in cur], op_key, ties, given)
         rep_out = tuple(self.replicated(v) if isinstance(v, torch.Tensor) else None for v in outs)
         if cands == "factory":
             return LegalStates(

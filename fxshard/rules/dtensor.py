@@ -77,6 +77,22 @@ def tied_mesh_dims(groupings):
         _TIES = old
 
 
+_GIVEN = False
+
+
+@contextlib.contextmanager
+def given_placements_only(on: bool = True):
+    """Inside: rules that answer for given input placements (follow-the-input ones) are asked
+    for the current placements only, not for every placement of each input (``placement.auto``
+    asks what an op does with the strided inputs its producers can give)."""
+    global _GIVEN
+    old, _GIVEN = _GIVEN, on
+    try:
+        yield
+    finally:
+        _GIVEN = old
+
+
 def mesh_products(options, ndim: int):
     """``itertools.product(options, repeat=ndim)``, or only its tied combinations inside
     ``tied_mesh_dims`` (in product order, each once)."""
@@ -662,6 +678,8 @@ def _seeds(tensors, device_mesh, cur) -> list:
     placed alike where they can be (``where(cond, x, y)`` with a broadcast ``cond``: x and y
     together, enumerated from the largest of them)."""
     seeds = [list(cur)]
+    if _GIVEN:
+        return seeds
     ranks = list(dict.fromkeys(t.ndim for t in tensors))
     for ndim in ranks:
         group = [j for j, t in enumerate(tensors) if t.ndim == ndim]

@@ -44,6 +44,15 @@ from .sharing import shared_nodes
 INF = float("inf")
 
 
+_RESHAPES = frozenset(
+    {
+        torch.ops.aten.view.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.reshape.default,
+    }
+)
+
+
 def _has_strided(state) -> bool:
     return any(_strided_spec(s) for side in state for s in side)
 
@@ -313,11 +322,18 @@ class FactorGraph:
             self.fallbacks.append((node, legal.why))  # warned after the solve, where it costs
             return legal.states, "fallback: replicated (no rule)"
         if legal.source == "rule" and not self.anchored:
-            # plan="auto" leaves strided shards out: every view that merges dims would offer them
-            # on every mesh dim, and the state space of a joint graph grows ~30x (measured on a
-            # 2-layer LLaMA-3-8B, 8x8 mesh: 4 s -> 420 s) for a plan a few per mille cheaper
-            strided = [st for st in legal.states if _has_strided(st)]
-            return [st for st in legal.states if not _has_strided(st)] or strided, "auto"
+            # plan="auto" leaves strided shards out by default: every view that merges dims would
+            # offer them, and the state space grows ~30x (a 2-layer LLaMA-3-8B on 8x8: 4 s ->
+            # 420 s).  AutoOptions(strided=True) offers them where they are needed: a reshape's
+            # strided states for plain inputs no plain state takes (heads merged into the batch
+            # before an eager attention's bmm), and every op's states for the strided inputs its
+            # producers can give (asked for those inputs only)
+            plain = [st for st in legal.states if not _has_strided(st)]
+            if not plain:
+                return legal.states, "auto"
+            if not self.opt.strided:
+                return plain, "auto"
+            return plain + self._strided_states(node, targs, cur, plain), "auto"
         if legal.source == "rule":
             states, seen = list(legal.states), set(legal.states)
             for alt in self._strided_inputs(targs, cur):
@@ -403,6 +419,22 @@ class FactorGraph:
         if mine is not None and mine not in keep:
             keep.append(mine)
         return keep or raw
+
+    def _strided_states(self, node, targs, cur, plain) -> list:
+        """The strided states ``plan="auto"`` adds to a node's plain ones (see ``_op_states``)."""
+        extra, seen = [], set(plain)
+        if node.target in _RESHAPES:
+            takes = {st[0] for st in plain}
+            for st in self.p.legal_states(node, cur, self.ties).states:
+                if st not in seen and not any(map(_strided_spec, st[0])) and st[0] not in takes:
+                    seen.add(st)
+                    extra.append(st)
+        for alt in self._strided_inputs(targs, cur):
+            for st in self.p.legal_states(node, alt, self.ties, given=True).states:
+                if st not in seen and any(map(_strided_spec, st[0])):
+                    seen.add(st)
+                    extra.append(st)
+        return extra
 
     def _strided_inputs(self, targs, cur) -> list[list]:
         """Input placements to ask the op's rule about beyond replicated ones: rules enumerate
