@@ -23,6 +23,16 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def _trains_as_single_device(prog, m, *x):
+    """The program's output and every parameter's gradient against single device's."""
+    ref = m(*x)
+    out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
+    ref.sum().backward()
+    assert _rel(out, ref) < 1e-5
+    for fqn, p in m.named_parameters():
+        assert _rel(grads[fqn], p.grad) < 1e-4, fqn
+
+
 def _params(prog):
     return {
         info(n).fqn: info(n).spec for n in prog.global_graph.graph.nodes if info(n).kind == PARAM
@@ -354,12 +364,7 @@ def test_a_3d_mesh_plan_of_a_small_model_within_its_time_limit():
     report = prog.captured.auto
     assert report.ilp_columns > 0 and (report.stopped or report.ilp_gap <= 5e-3), report
     assert report.decomposed.startswith("tied 0|12"), report
-    ref = m(*x)
-    out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
-    ref.sum().backward()
-    assert _rel(out, ref) < 1e-5
-    for fqn, p in m.named_parameters():
-        assert _rel(grads[fqn], p.grad) < 1e-4, fqn
+    _trains_as_single_device(prog, m, *x)
     whole = fxshard.shard(
         m,
         mesh,
@@ -433,12 +438,7 @@ def test_auto_checks_no_strided_reshape_it_would_drop(monkeypatch):
     assert calls["n"] == 0 and prog.captured.auto.ilp_gap <= 5e-3
     fxshard.shard(m, mesh, plan=zoo.megatron_tp_plan(), example_inputs=x, training=True)
     assert calls["n"] > 0
-    ref = m(*x)
-    out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
-    ref.sum().backward()
-    assert _rel(out, ref) < 1e-5
-    for fqn, p in m.named_parameters():
-        assert _rel(grads[fqn], p.grad) < 1e-4, fqn
+    _trains_as_single_device(prog, m, *x)
 
 
 def test_strided_states_find_megatron_attention_in_an_eager_attention_model():
@@ -476,12 +476,7 @@ def test_strided_states_find_megatron_attention_in_an_eager_attention_model():
     attn = "model.model.layers.0.self_attn."
     assert params[attn + "q_proj.weight"].placements == (Shard(0),)
     assert params[attn + "o_proj.weight"].placements == (Shard(1),)
-    ref = w(x)
-    out, grads = prog.simulate(x, grad_outputs=(torch.ones_like(ref),))
-    ref.sum().backward()
-    assert _rel(out, ref) < 1e-5
-    for fqn, p in w.named_parameters():
-        assert _rel(grads[fqn], p.grad) < 1e-4, fqn
+    _trains_as_single_device(prog, w, x)
 
 
 def test_a_3d_mesh_plan_is_never_worse_than_the_hand_plans():
@@ -502,12 +497,7 @@ def test_a_3d_mesh_plan_is_never_worse_than_the_hand_plans():
     report = prog.captured.auto
     assert report.decomposed and report.ilp_columns < 10**5, report
     assert prog.modelled_cost()["total_us"] <= min(h["total_us"] for h in hands) + 1e-6
-    ref = m(*x)
-    out, grads = prog.simulate(*x, grad_outputs=(torch.ones_like(ref),))
-    ref.sum().backward()
-    assert _rel(out, ref) < 1e-5
-    for fqn, p in m.named_parameters():
-        assert _rel(grads[fqn], p.grad) < 1e-4, fqn
+    _trains_as_single_device(prog, m, *x)
 
 
 def test_the_tied_solves_of_a_3d_mesh_run_side_by_side_with_the_serial_result(monkeypatch):

@@ -62,7 +62,9 @@ def _run(args, path, timeout, retry=True):
     r = subprocess.run(
         args, cwd=os.path.dirname(path), env=env, capture_output=True, text=True, timeout=timeout
     )
-    if r.returncode != 0 and retry and _TEARDOWN_ABORT in r.stderr and "SIGABRT" in r.stderr:
+    # the abort's handler can itself crash while dumping the stacks: SIGSEGV then (CI, 2026-12-07)
+    aborted = _TEARDOWN_ABORT in r.stderr and ("SIGABRT" in r.stderr or "SIGSEGV" in r.stderr)
+    if r.returncode != 0 and retry and aborted:
         warnings.warn(
             f"a worker aborted at exit (repeated once):\n{r.stderr[-3000:]}", stacklevel=2
         )
