@@ -253,18 +253,12 @@ def _solve_decomposed(fg: FactorGraph) -> list[int]:
     return best
 
 
-def _decompose(fg: FactorGraph) -> bool:
-    if fg.opt.decompose is not None:
-        return bool(fg.opt.decompose) and fg.mesh.ndim > 1
-    return fg.mesh.ndim >= 3 and not fg.anchored
-
-
 def solve(fg: FactorGraph) -> list[int]:
     """The chosen state of every variable: chains and trees by DP, the core by the ILP; on a mesh
     of three or more dims, by per-dim decomposition (``_solve_decomposed``)."""
     budget = fg.opt.memory_budget
     check_budget(fg, budget)
-    choice = _solve_decomposed(fg) if _decompose(fg) else _solve_states(fg)
+    choice = _solve_decomposed(fg) if fg.decompose else _solve_states(fg)
     fg.report.objective_us = objective(fg, choice)
     start = fg.anchor_choice()
     if start is not None and _cheaper(fg, start, fg.report.objective_us, budget):

@@ -31,6 +31,7 @@ from ...core.spec import ShardingSpec, is_even, placements_str
 from ...ir import BOUNDARY, BUFFER, CONSTANT, PARAM, NodeKind, flat_outputs, info, tensor_args
 from ...planner import costs_from, pairwise_costs, plan_in_program
 from ..problem import (
+    _RESHAPE_OPS,
     PlacementProblem,
     _strided_spec,
     _val,
@@ -42,15 +43,6 @@ from .options import AutoInfeasible, AutoOptions, AutoReport
 from .sharing import shared_nodes
 
 INF = float("inf")
-
-
-_RESHAPES = frozenset(
-    {
-        torch.ops.aten.view.default,
-        torch.ops.aten._unsafe_view.default,
-        torch.ops.aten.reshape.default,
-    }
-)
 
 
 def _has_strided(state) -> bool:
@@ -115,14 +107,14 @@ class FactorGraph:
         # those): the rules enumerate only those (a 4x4x4 mesh's states are the cube of per-dim
         # choices, these about twice a 2-D mesh's)
         nd = self.mesh.ndim
-        decompose = (
+        self.decompose = (
             bool(options.decompose) and nd > 1
             if options.decompose is not None
             else nd >= 3 and not anchored
         )
         self.ties = (
             tuple((tuple(range(c)), tuple(range(c, nd))) for c in range(1, nd))
-            if decompose and nd >= 3 and not anchored
+            if self.decompose and nd >= 3 and not anchored
             else None
         )
 
@@ -423,7 +415,7 @@ class FactorGraph:
     def _strided_states(self, node, targs, cur, plain) -> list:
         """The strided states ``plan="auto"`` adds to a node's plain ones (see ``_op_states``)."""
         extra, seen = [], set(plain)
-        if node.target in _RESHAPES:
+        if node.target in _RESHAPE_OPS:
             takes = {st[0] for st in plain}
             for st in self.p.legal_states(node, cur, self.ties).states:
                 if st not in seen and not any(map(_strided_spec, st[0])) and st[0] not in takes:
