@@ -92,14 +92,16 @@ from .placement.constraints import PlanConstraints, resolve_plan
 from .runtime.agree import AgreementOptions, fail_together
 from .runtime.boundary import (
     OUTPUTS,
+    PLAIN_TENSORS,
     STATES,
     as_program_arg,
     check_mesh,
     differentiable_args,
     is_kept,
     is_sharded_arg,
-    keep_output,
+    layout_of,
     local_arg,
+    output_keeper,
     output_wrapper,
     spec_of,
     standin,
@@ -483,22 +485,18 @@ class ShardedGraph:
 
     def _program_args(self, args):
         """DTensor (and sharded KeptTensor) arguments checked against the program's mesh."""
-        if not any(is_sharded_arg(a) for a in args):
-            return args
-        if self.opts.simulate:
-            raise ValueError(
-                "fxshard backend: DTensor arguments need a DeviceMesh and a process group; "
-                "simulate=True takes global tensors (pass x.full_tensor())"
-            )
-        mesh = self.opts.mesh_spec
-        out = []
         for i, a in enumerate(args):
-            if is_sharded_arg(a):
-                what = f"argument {i} of the graph ({self.sources[i] or 'an input'})"
-                check_mesh(a, self.opts.mesh, what)
-                a = as_program_arg(a, mesh, what)
-            out.append(a)
-        return tuple(out)
+            if type(a) in PLAIN_TENSORS or not is_sharded_arg(a):
+                continue
+            if self.opts.simulate:
+                raise ValueError(
+                    "fxshard backend: DTensor arguments need a DeviceMesh and a process group; "
+                    "simulate=True takes global tensors (pass x.full_tensor())"
+                )
+            what = f"argument {i} of the graph ({self.sources[i] or 'an input'})"
+            check_mesh(a, self.opts.mesh, what)
+            as_program_arg(a, self.opts.mesh_spec, what)
+        return args
 
     def _kept(self, training: bool) -> dict:
         """The outputs handed back as KeptTensors where sharded: tensors stored into objects'
@@ -553,17 +551,9 @@ class ShardedGraph:
         ]  # fmt: skip
         if not keep:
             return lambda flat, side=None: wrap(flat)
-        mesh = self.opts.mesh
         timeout = (self.opts.agreement or AgreementOptions()).timeout_s
-
-        def wrap_state(flat: list, side: dict | None = None) -> list:
-            flat = wrap(flat)
-            for k in keep:
-                spec = specs[k].at_sizes(specs[k].global_shape(flat[k].shape))
-                flat[k] = keep_output(flat[k], spec, mesh, timeout, side, k)
-            return flat
-
-        return wrap_state
+        keep_outputs = output_keeper(specs, keep, self.opts.mesh, timeout)
+        return lambda flat, side=None: keep_outputs(wrap(flat), side)
 
     def __call__(self, *args):
         args = self._program_args(differentiable_args(args))
@@ -591,7 +581,12 @@ class ShardedGraph:
         gets a program per size instead (a plan that splits a dynamic dim, ...)."""
         mesh = self.opts.mesh_spec if not self.opts.simulate else None
         layouts = tuple(
-            _layout(spec_of(a, mesh)) if is_sharded_arg(a) else _arg_kind(a, mesh) for a in args
+            t
+            if t in PLAIN_TENSORS
+            else layout_of(a, mesh)
+            if is_sharded_arg(a)
+            else _arg_kind(a, mesh)
+            for a, t in zip(args, map(type, args))
         )
         # (Python numbers dynamo lifted to 0-d tensors are baked into a capture: their values too)
         baked = tuple(args[i].item() for i in sorted(self.baked) if i < len(args))
@@ -931,8 +926,15 @@ def _carrying(run, dynamic):
     no tensor's size go in as tensors of that length (``capture.dynamo.size_carrier``)."""
     if not dynamic.free:
         return run
-    free = set(dynamic.free)
-    return lambda a: run(tuple(size_carrier(int(x)) if i in free else x for i, x in enumerate(a)))
+    free = tuple(dynamic.free)
+
+    def carried(a):
+        a = list(a)
+        for i in free:
+            a[i] = size_carrier(int(a[i]))
+        return run(tuple(a))
+
+    return carried
 
 
 def _arg_kind(a, mesh) -> object:
@@ -944,11 +946,6 @@ def _arg_kind(a, mesh) -> object:
     if is_kept(a):
         return ("kept", a.viewed)
     return type(a)
-
-
-def _layout(spec: ShardingSpec) -> tuple:
-    """A spec without its shape: what a symbolic program fixes of a DTensor argument."""
-    return (spec.placements, spec.levels, spec.dtype)
 
 
 def fxshard_backend(

@@ -389,3 +389,54 @@ def test_a_kept_tensor_is_the_global_tensor_to_eager_code_and_traces_as_one():
     cache = Cache(fxshard.kept(torch.ones(2, 3)))
     assert float(f(cache, torch.ones(2, 1))) == 8.0
     assert len(stored) == 1 and list(stored[0].values()) == ["Cache.keys"]
+
+
+def test_a_decode_step_makes_no_spec_per_cache_tensor(fake_world, monkeypatch):
+    """A decode step through the backend hands a cache tensor per layer and kv in and out as
+    KeptTensors: the host work per step must not grow with them by a ShardingSpec built per
+    tensor (each call used to make one per cache tensor in and two out, about a third of
+    fxshard's Python time per step of a 16-layer model). Counted on a fake 4-rank process group
+    (the per-rank program runs, its collectives do nothing): after the programs are built, the
+    decode steps of a generation build no spec at all, and the cache they hand back holds each
+    rank's heads."""
+    import transformers as T
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxshard.backend import programs_built
+    from fxshard.core.spec import ShardingSpec
+    from fxshard.runtime.boundary import KeptTensor
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=4)  # fmt: skip
+    model = T.LlamaForCausalLM(cfg).eval()
+    dm = init_device_mesh("cpu", (4,))
+    torch._dynamo.reset()
+    model.compile(backend="fxshard", options={"mesh": dm, "plan": model.tp_plan, "inductor": False})
+    x = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        model.generate(x, **kw)  # builds the prefill, first decode and symbolic decode programs
+        built = [0]
+        init = ShardingSpec.__init__
+
+        def counted(self, *a, **k):
+            built[0] += 1
+            init(self, *a, **k)
+
+        monkeypatch.setattr(ShardingSpec, "__init__", counted)
+        out = model(x, use_cache=True)  # a prefill: its cache comes back as KeptTensors
+        cache = out.past_key_values
+        ids = out.logits[:, -1:].argmax(-1)
+        for step in range(5):  # decode steps, the cache growing a token each
+            if step == 1:  # (the first step of direct calls builds its program: kwargs differ)
+                built[0], n0 = 0, programs_built()
+            mask = torch.ones(2, cache.get_seq_length() + 1, dtype=torch.long)
+            out = model(ids, past_key_values=cache, attention_mask=mask, use_cache=True)
+            cache = out.past_key_values
+            ids = out.logits[:, -1:].argmax(-1)
+        assert programs_built() == n0 and built[0] == 0, built
+    keys = cache.layers[0].keys
+    assert isinstance(keys, KeptTensor) and keys.sharded and keys.shape[2] == 13, keys
+    assert keys.local.shape == (2, 1, 13, 8), keys.local.shape  # 4 kv heads over 4 ranks

@@ -82,10 +82,15 @@ class DynamicDims:
         """The part of a call's signature a symbolic program is specific to: every size but the
         dynamic ones."""
         out = []
+        tensors = self.tensors
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                dims = self.tensors.get(i, ())
-                shape = tuple(None if d in dims else s for d, s in enumerate(a.shape))
+                dims = tensors.get(i)
+                shape = (
+                    tuple(None if d in dims else s for d, s in enumerate(a.shape))
+                    if dims
+                    else a.shape  # (most arguments: parameters; a Size hashes as its tuple)
+                )
                 out.append((shape, a.dtype, a.device))
             elif i in self.sizes or i in self.free:
                 out.append(None)

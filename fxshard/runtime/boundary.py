@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,12 +62,12 @@ OUTPUTS = ("global", "dtensor")
 STATES = ("sharded", "global")
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # most arguments, every call
 
 
 def is_sharded_arg(x: object) -> bool:
     """A value a program takes as its local shard: a DTensor, or a sharded KeptTensor."""
-    if type(x) in _PLAIN:  # most arguments, every call: no subclass checks
+    if type(x) in PLAIN_TENSORS:  # no subclass checks
         return False
     return is_dtensor(x) or (isinstance(x, KeptTensor) and x.sharded)
 
@@ -85,6 +86,19 @@ def spec_of(dt, mesh: MeshSpec, what: str = "a DTensor argument") -> ShardingSpe
     return ShardingSpec.make(mesh, placements, tuple(dt.shape), dt.dtype, order, what=what)
 
 
+def layout_of(dt, mesh: MeshSpec, what: str = "a DTensor argument") -> tuple:
+    """What of a DTensor's (or sharded KeptTensor's) spec a symbolic program is specific to:
+    placements, shard levels, dtype (not its shape); checked to be on ``mesh``. A KeptTensor's
+    comes from its layout: no spec is made (a decode step takes a cache tensor per layer and kv,
+    every call)."""
+    if isinstance(dt, KeptTensor) and dt._layout.mesh is not None:
+        lay = dt._layout
+        if tuple(lay.mesh.shape) == tuple(mesh.shape):
+            return (lay.placements, lay.levels, dt.dtype)
+    spec = spec_of(dt, mesh, what)
+    return (spec.placements, spec.levels, spec.dtype)
+
+
 def check_mesh(dt, device_mesh: DeviceMesh | None, what: str) -> None:
     if device_mesh is not None and dt.device_mesh != device_mesh:
         raise ValueError(
@@ -99,7 +113,7 @@ def as_program_arg(x, mesh: MeshSpec, what: str):
     which the per-rank program runs on as it is, uneven shards included, or a plain (global)
     tensor."""
     if is_sharded_arg(x):
-        spec_of(x, mesh, what)
+        layout_of(x, mesh, what)  # (a KeptTensor's from its layout: no spec made)
     return x
 
 
@@ -107,14 +121,26 @@ def local_arg(dt, spec: ShardingSpec, coord, what: str) -> torch.Tensor:
     """This rank's local tensor of a DTensor (or KeptTensor) argument, checked against the
     program's spec."""
     local = dt.local if isinstance(dt, KeptTensor) else dtensor_local(dt)
-    spec = spec.at_sizes(dt.shape)  # a symbolic program's spec is for other sizes of whole dims
-    want = spec.local_shape(coord)
+    # a symbolic program's spec is for other sizes of the dims it does not split: those are the
+    # argument's own (every call of a decode step: no spec is made here)
+    shape = dt.shape
+    if len(shape) != len(spec.shape) or any(
+        lv and n != m for n, m, lv in zip(shape, spec.shape, spec.levels)
+    ):
+        spec.at_sizes(shape)  # raises: says which sizes differ
+    want = tuple(m if lv else n for n, m, lv in zip(shape, _local_shape(spec, coord), spec.levels))
     if tuple(local.shape) != want:
+        spec = spec.at_sizes(shape)
         raise ValueError(
             f"{what}: its local shard has shape {tuple(local.shape)}, the program's spec {spec} "
             f"of {spec.shape} has {want} on mesh coordinate {tuple(coord)}"
         )
     return local.contiguous()
+
+
+@lru_cache(maxsize=4096)
+def _local_shape(spec: ShardingSpec, coord: tuple) -> tuple:
+    return spec.local_shape(coord)
 
 
 def wrap_output(local: torch.Tensor, device_mesh: DeviceMesh, spec: ShardingSpec):
@@ -197,6 +223,7 @@ class KeptTensor(WrapperTensor):
         r._local = local
         r._layout = layout
         r._viewed = False
+        r._spec = None  # ``spec``, made on first use (a decode step asks for it several times)
         return r
 
     @classmethod
@@ -208,7 +235,10 @@ class KeptTensor(WrapperTensor):
         other ranks."""
         prepare_reads(device_mesh, timeout_s)
         layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
-        return cls(local, layout, spec.shape)
+        out = cls(local, layout, spec.shape)
+        if spec.dtype == local.dtype:
+            out._spec = spec
+        return out
 
     @property
     def local(self) -> torch.Tensor:
@@ -216,7 +246,9 @@ class KeptTensor(WrapperTensor):
 
     @property
     def spec(self) -> ShardingSpec:
-        return self._layout.spec(self.shape, self.dtype)
+        if self._spec is None:  # (its shape never changes; ``hold`` / ``unshard`` reset it)
+            self._spec = self._layout.spec(self.shape, self.dtype)
+        return self._spec
 
     @property
     def device_mesh(self):
@@ -238,6 +270,7 @@ class KeptTensor(WrapperTensor):
         prepare_reads(device_mesh, timeout_s)
         self._local = local
         self._layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
+        self._spec = spec
 
     @property
     def viewed(self) -> bool:
@@ -252,6 +285,7 @@ class KeptTensor(WrapperTensor):
             full = self.full().contiguous()
             self._local = full
             self._layout = Layout(None, (), ())
+            self._spec = None
 
     def tolist(self):
         return self.full().tolist()
@@ -432,6 +466,34 @@ def differentiable_args(args) -> tuple:
     return tuple(
         _Gathered.apply(a) if isinstance(a, KeptTensor) and a.requires_grad else a for a in args
     )
+
+
+def output_keeper(specs, keep, device_mesh, timeout_s):
+    """``keep_outputs(flat, side)``: a program's outputs ``keep`` (indices) as KeptTensors of
+    their ``specs`` (the sizes of the dims a spec does not split are the output's own), the rest
+    as they are. Worked out once per program: a decode step hands back a cache tensor per layer
+    and kv, every call."""
+    layouts = {
+        k: Layout(specs[k].mesh, specs[k].placements, specs[k].levels, device_mesh, timeout_s)
+        for k in keep
+    }
+
+    def keep_outputs(flat: list, side: dict | None = None) -> list:
+        prepared = False
+        for k in keep:
+            local = flat[k]
+            spec = specs[k]
+            shape = spec.global_shape(local.shape)
+            if local.requires_grad and torch.is_grad_enabled():
+                flat[k] = keep_output(local, spec.at_sizes(shape), device_mesh, timeout_s, side, k)
+                continue
+            if not prepared:
+                prepare_reads(device_mesh, timeout_s)
+                prepared = True
+            flat[k] = KeptTensor(local, layouts[k], shape)
+        return flat
+
+    return keep_outputs
 
 
 def keep_output(local, spec, device_mesh, timeout_s, side=None, k=None) -> KeptTensor:
