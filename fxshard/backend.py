@@ -475,12 +475,12 @@ class ShardedGraph:
                     a.dtype,
                     a.device,
                     a.item() if i in self.baked else None,
-                    _arg_kind(a, mesh),
+                    t if t in PLAIN_TENSORS else _arg_kind(a, mesh),
                 )
                 if isinstance(a, torch.Tensor)
                 else (int(a) if isinstance(a, (int, torch.SymInt)) else (type(a), a))
             )
-            for i, a in enumerate(args)
+            for i, (a, t) in enumerate(zip(args, map(type, args)))
         )
 
     def _program_args(self, args):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -197,6 +197,12 @@ class Layout:
     device_mesh: object = None
     read_timeout_s: float = DEFAULT_TIMEOUT_S  # how long an eager read waits for the other ranks
 
+    @cached_property
+    def sharded(self) -> bool:
+        """Whether some mesh dim splits or holds partial values (asked of every KeptTensor
+        argument, several times a call: worked out once per layout)."""
+        return self.mesh is not None and any(not isinstance(p, Replicate) for p in self.placements)
+
     def spec(self, shape, dtype) -> ShardingSpec:
         if self.mesh is None:
             mesh = MeshSpec((1,))
@@ -257,9 +263,7 @@ class KeptTensor(WrapperTensor):
     @property
     def sharded(self) -> bool:
         """Whether some mesh dim splits or holds partial values (else the shard is the value)."""
-        return self._layout.mesh is not None and any(
-            not isinstance(p, Replicate) for p in self._layout.placements
-        )
+        return self._layout.sharded
 
     def hold(self, local: torch.Tensor, spec: ShardingSpec, device_mesh) -> None:
         """Hold a new shard of this tensor's value (a program updated it in place), placed
