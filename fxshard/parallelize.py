@@ -47,8 +47,8 @@ from .runtime.boundary import (
     OUTPUTS,
     as_program_arg,
     check_mesh,
-    keep_output,
     local_arg,
+    output_keeper,
     output_wrapper,
     spec_of,
     wrap_output,
@@ -136,6 +136,7 @@ class ParallelModule(nn.Module):
         self.specs: dict = {}  # fqn -> global ShardingSpec of every parameter and buffer
         self._owners: dict = {}  # fqn -> (owning module, attribute name)
         self._wrappers: dict = {}  # program -> its outputs' DTensor wrapping
+        self._keepers: dict = {}  # program -> its state outputs as KeptTensors
         self._kept: dict = {}  # program -> its outputs kept as placed (objects' tensors)
         self.warnings: list[str] = []
         self.uninitialised: set[str] = set()
@@ -473,11 +474,18 @@ class ParallelModule(nn.Module):
             wrap = self._wrappers[prog] = output_wrapper(specs, self.device_mesh, as_dtensor)
         flat = wrap(flat)
         if self.outputs == "global":
-            specs = prog.forward_output_specs
-            timeout = (self.agreement or AgreementOptions()).timeout_s
-            for k in self._kept.get(prog, ()):
-                if any(not isinstance(p, Replicate) for p in specs[k].placements):
-                    flat[k] = keep_output(flat[k], specs[k], self.device_mesh, timeout, side, k)
+            keep = self._keepers.get(prog)
+            if keep is None:
+                specs = prog.forward_output_specs
+                sharded = [
+                    k
+                    for k in self._kept.get(prog, ())
+                    if any(not isinstance(p, Replicate) for p in specs[k].placements)
+                ]
+                timeout = (self.agreement or AgreementOptions()).timeout_s
+                keep = output_keeper(specs, sharded, self.device_mesh, timeout)
+                self._keepers[prog] = keep
+            flat = keep(flat, side)
         return flat
 
     def _released(self, prog, out):

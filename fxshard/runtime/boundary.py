@@ -197,6 +197,11 @@ class Layout:
     device_mesh: object = None
     read_timeout_s: float = DEFAULT_TIMEOUT_S  # how long an eager read waits for the other ranks
 
+    @classmethod
+    def of(cls, spec: ShardingSpec, device_mesh, timeout_s: float) -> Layout:
+        """The layout of a value placed ``spec`` on ``device_mesh``."""
+        return cls(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
+
     @cached_property
     def sharded(self) -> bool:
         """Whether some mesh dim splits or holds partial values (asked of every KeptTensor
@@ -240,8 +245,7 @@ class KeptTensor(WrapperTensor):
         makes it at the same point: a program's call); an eager read waits ``timeout_s`` for the
         other ranks."""
         prepare_reads(device_mesh, timeout_s)
-        layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
-        out = cls(local, layout, spec.shape)
+        out = cls(local, Layout.of(spec, device_mesh, timeout_s), spec.shape)
         if spec.dtype == local.dtype:
             out._spec = spec
         return out
@@ -273,7 +277,7 @@ class KeptTensor(WrapperTensor):
         timeout_s = self._layout.read_timeout_s
         prepare_reads(device_mesh, timeout_s)
         self._local = local
-        self._layout = Layout(spec.mesh, spec.placements, spec.levels, device_mesh, timeout_s)
+        self._layout = Layout.of(spec, device_mesh, timeout_s)
         self._spec = spec
 
     @property
@@ -477,10 +481,7 @@ def output_keeper(specs, keep, device_mesh, timeout_s):
     their ``specs`` (the sizes of the dims a spec does not split are the output's own), the rest
     as they are. Worked out once per program: a decode step hands back a cache tensor per layer
     and kv, every call."""
-    layouts = {
-        k: Layout(specs[k].mesh, specs[k].placements, specs[k].levels, device_mesh, timeout_s)
-        for k in keep
-    }
+    layouts = {k: Layout.of(specs[k], device_mesh, timeout_s) for k in keep}
 
     def keep_outputs(flat: list, side: dict | None = None) -> list:
         prepared = False
